@@ -1,0 +1,5 @@
+"""Kiwi: share NVIDIA GPUs between containers without thrashing."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Kiwi cli package."""

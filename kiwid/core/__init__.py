@@ -1,0 +1,1 @@
+"""Kiwi core package."""

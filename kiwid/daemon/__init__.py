@@ -1,0 +1,1 @@
+"""Kiwi daemon package."""

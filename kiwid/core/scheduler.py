@@ -1,0 +1,310 @@
+"""The scheduling core: events and ``now`` in, gate/ungate actions out.
+
+Pure: no I/O, no clock, no threads. The daemon calls :meth:`Scheduler.handle`
+for every event and wakes again at :meth:`Scheduler.next_deadline`.
+
+Semantics (DESIGN.md, "Scheduling semantics"):
+
+* A tenant starts a burst when GPU activity is seen while it is idle. If every
+  GPU it needs is free it holds them at once; otherwise it is gated and queued.
+* A holder keeps its GPUs while nobody waits for them. When someone waits, it is
+  preempted at ``max(granted_at + TQ, now)`` and queued at the back (round-robin).
+* A holder with no GPU activity for ``idle_release`` seconds (counted from its
+  grant or its last activity) yields early and becomes idle; this also returns a
+  granted waiter that does no GPU work in its turn to idle.
+* Waiters are served first come, first served. A tenant on several GPUs is
+  granted all of them or none; a waiter's GPUs are claimed for it so that later
+  waiters cannot overtake it (no starvation, no deadlock).
+* ``exclusive`` GPUs always gate, ``off`` GPUs never, ``auto`` GPUs gate only
+  while the bursting tenants' memory does not fit the card minus its reserve.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kiwid.core.events import (
+    Action,
+    ActivitySeen,
+    Event,
+    FootprintSeen,
+    Gate,
+    GpusConfigured,
+    TenantAttached,
+    TenantDetached,
+    Tick,
+    Ungate,
+)
+from kiwid.core.model import GpuId, GpuPolicy, Mode, TenantId, TenantState
+from kiwid.core.states import Trigger, transition
+from kiwid.core.view import GpuView, SchedulerView, TenantView, WaiterView
+
+S = TenantState
+
+
+@dataclass
+class _Tenant:
+    """The core's record of one tenant (mutable; never leaves the core)."""
+
+    id: TenantId
+    gpus: frozenset[GpuId]
+    seq: int
+    state: TenantState = S.IDLE
+    state_since: float = 0.0
+    last_active: float | None = None
+    granted_at: float | None = None
+    footprint: dict[GpuId, int | None] = field(default_factory=dict)
+
+    @property
+    def bursting(self) -> bool:
+        return self.state is not S.IDLE
+
+
+class Scheduler:
+    """Round-robin arbitration of GPU bursts with a time quantum per GPU."""
+
+    def __init__(
+        self,
+        policies: Mapping[GpuId, GpuPolicy] | None = None,
+        default_policy: GpuPolicy | None = None,
+    ) -> None:
+        """Start with the given GPUs; ``default_policy`` serves tenants on none."""
+        self._policies: dict[GpuId, GpuPolicy] = dict(policies or {})
+        self._default = default_policy or GpuPolicy()
+        self._tenants: dict[TenantId, _Tenant] = {}
+        self._seq = itertools.count()
+        self._now = -math.inf
+        self._deadline: float | None = None
+
+    # ------------------------------------------------------------ public API
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply ``event`` at monotonic time ``now`` and return the actions to take.
+
+        Time never goes back: a ``now`` older than the last one is treated as
+        the last one.
+        """
+        now = max(now, self._now)
+        self._now = now
+        actions: list[Action] = []
+        match event:
+            case GpusConfigured(policies=policies):
+                self._policies = dict(policies)
+            case TenantAttached(tenant=tid, gpus=gpus):
+                known = self._tenants.get(tid)
+                if known is None:
+                    self._tenants[tid] = _Tenant(tid, gpus, next(self._seq), state_since=now)
+                else:
+                    known.gpus = gpus
+            case TenantDetached(tenant=tid):
+                self._tenants.pop(tid, None)
+            case ActivitySeen(tenant=tid):
+                tenant = self._tenants.get(tid)
+                if tenant is not None:
+                    tenant.last_active = now
+                    if tenant.state is S.IDLE:
+                        self._start_burst(tenant, now, actions)
+            case FootprintSeen(tenant=tid, gpu=gpu, used_bytes=used):
+                tenant = self._tenants.get(tid)
+                if tenant is not None:
+                    tenant.footprint[gpu] = used
+            case Tick():
+                pass
+        self._reconcile(now, actions)
+        return actions
+
+    def next_deadline(self) -> float | None:
+        """Return when the core next needs a ``Tick`` (monotonic s), or ``None``."""
+        return self._deadline
+
+    def policy(self, gpu: GpuId) -> GpuPolicy | None:
+        """Return the policy in force on ``gpu`` (``None``: not managed)."""
+        return self._policies.get(gpu)
+
+    def tenant_state(self, tenant: TenantId) -> TenantState | None:
+        """Return a tenant's state (``None``: unknown tenant)."""
+        known = self._tenants.get(tenant)
+        return None if known is None else known.state
+
+    def tenant_ids(self) -> frozenset[TenantId]:
+        """Return every tenant the core knows."""
+        return frozenset(self._tenants)
+
+    def view(self, now: float) -> SchedulerView:
+        """Return a read-only snapshot for status displays."""
+        gating = self._gating()
+        queue = self._queue(gating)
+        gpus: list[GpuView] = []
+        for gpu, policy in sorted(self._policies.items(), key=lambda kv: _gpu_sort_key(kv[0])):
+            on_gpu = [t for t in self._tenants.values() if gpu in t.gpus]
+            holder = next((t for t in on_gpu if t.state is S.HOLDER and gpu in gating), None)
+            waiters = [t for t in queue if gpu in t.gpus and t.state is S.WAITING]
+            gpus.append(
+                GpuView(
+                    gpu=gpu,
+                    policy=policy,
+                    gating=gpu in gating,
+                    holder=holder.id if holder else None,
+                    holder_since=holder.granted_at if holder else None,
+                    preempt_at=self._preempt_at(holder, gating) if holder else None,
+                    waiters=tuple(
+                        WaiterView(t.id, t.state_since, position)
+                        for position, t in enumerate(waiters, start=1)
+                    ),
+                    memory_in_use_bytes=sum(t.footprint.get(gpu) or 0 for t in on_gpu),
+                )
+            )
+        tenants = tuple(
+            TenantView(
+                tenant=t.id,
+                state=t.state,
+                since=t.state_since,
+                gpus=t.gpus,
+                last_active=t.last_active,
+                footprint=dict(t.footprint),
+            )
+            for t in sorted(self._tenants.values(), key=lambda t: t.id)
+        )
+        return SchedulerView(now=now, gpus=tuple(gpus), tenants=tenants)
+
+    # ------------------------------------------------------------ internals
+
+    def _policy_of(self, tenant: _Tenant) -> GpuPolicy:
+        """The policy that times a tenant: the strictest of its managed GPUs."""
+        managed = [self._policies[g] for g in tenant.gpus if g in self._policies]
+        if not managed:
+            return self._default
+        return min(managed, key=lambda p: p.idle_release_s)
+
+    def _gating(self, extra: _Tenant | None = None) -> frozenset[GpuId]:
+        """GPUs whose tenants must take turns now (``extra`` counts as bursting)."""
+        gating: set[GpuId] = set()
+        for gpu, policy in self._policies.items():
+            if policy.mode is Mode.EXCLUSIVE:
+                gating.add(gpu)
+            elif policy.mode is Mode.AUTO:
+                demand = sum(
+                    t.footprint.get(gpu) or 0
+                    for t in self._tenants.values()
+                    if gpu in t.gpus and (t.bursting or t is extra)
+                )
+                if demand > policy.capacity_bytes - policy.reserve_bytes:
+                    gating.add(gpu)
+        return frozenset(gating)
+
+    def _queue(self, gating: frozenset[GpuId]) -> list[_Tenant]:
+        """Tenants that want gated GPUs they do not hold, first come first."""
+        wanting = [
+            t
+            for t in self._tenants.values()
+            if t.state in (S.WAITING, S.CORUNNING) and t.gpus & gating
+        ]
+        return sorted(wanting, key=lambda t: t.seq)
+
+    def _set_state(self, tenant: _Tenant, trigger: Trigger, now: float) -> None:
+        tenant.state = transition(tenant.state, trigger)
+        tenant.state_since = now
+
+    def _start_burst(self, tenant: _Tenant, now: float, actions: list[Action]) -> None:
+        gating = self._gating(extra=tenant)
+        need = tenant.gpus & gating
+        tenant.seq = next(self._seq)
+        if not need:
+            self._set_state(tenant, Trigger.BURST_UNGATED, now)
+            return
+        claimed = self._claimed(gating)
+        if need & claimed:
+            self._set_state(tenant, Trigger.BURST_BUSY, now)
+            actions.append(Gate(tenant.id))
+        else:
+            self._set_state(tenant, Trigger.BURST_FREE, now)
+            tenant.granted_at = now
+
+    def _claimed(self, gating: frozenset[GpuId]) -> set[GpuId]:
+        """Gated GPUs that a holder holds or that an earlier burst is queued for."""
+        claimed: set[GpuId] = set()
+        for t in self._tenants.values():
+            if t.state is not S.IDLE:
+                claimed |= t.gpus & gating
+        return claimed
+
+    def _preempt_at(self, holder: _Tenant, gating: frozenset[GpuId]) -> float | None:
+        """When ``holder`` must yield: grant + the shortest TQ of its contested GPUs."""
+        assert holder.granted_at is not None
+        wanted: set[GpuId] = set()
+        for t in self._queue(gating):
+            wanted |= t.gpus & gating
+        contested = holder.gpus & gating & wanted
+        if not contested:
+            return None
+        return holder.granted_at + min(self._policies[g].tq_s for g in contested)
+
+    def _idle_at(self, tenant: _Tenant) -> float:
+        """When a holder or co-runner without further activity goes idle."""
+        start = max(t for t in (tenant.granted_at, tenant.last_active) if t is not None)
+        return start + self._policy_of(tenant).idle_release_s
+
+    def _reconcile(self, now: float, actions: list[Action]) -> None:
+        """Bring every tenant in line with the rules at ``now``."""
+        # 1. Early release: bursts that went quiet.
+        for t in self._sorted(S.HOLDER, S.CORUNNING):
+            if now >= self._idle_at(t):
+                self._set_state(t, Trigger.IDLE_TIMEOUT, now)
+                t.granted_at = None
+        gating = self._gating()
+        # 2. GPUs that stopped gating free their holders and waiters.
+        for t in self._sorted(S.HOLDER, S.WAITING):
+            if not t.gpus & gating:
+                if t.state is S.WAITING:
+                    actions.append(Ungate(t.id))
+                    t.last_active = now  # a fresh window to show activity
+                self._set_state(t, Trigger.GATING_STOPPED, now)
+                t.granted_at = None
+        # 3. Preemption: quantum over and someone waits.
+        for t in self._sorted(S.HOLDER):
+            deadline = self._preempt_at(t, gating)
+            if deadline is not None and now >= deadline:
+                self._set_state(t, Trigger.PREEMPTED, now)
+                t.granted_at = None
+                t.seq = next(self._seq)
+                actions.append(Gate(t.id))
+        # 4. Grants, first come first served, all GPUs or none.
+        blocked: set[GpuId] = set()
+        for t in self._sorted(S.HOLDER):
+            blocked |= t.gpus & gating
+        for t in self._queue(gating):
+            need = t.gpus & gating
+            if need & blocked:
+                if t.state is S.CORUNNING:
+                    self._set_state(t, Trigger.GATING_STARTED, now)
+                    actions.append(Gate(t.id))
+            else:
+                if t.state is S.WAITING:
+                    actions.append(Ungate(t.id))
+                self._set_state(t, Trigger.GRANTED, now)
+                t.granted_at = now
+            blocked |= need
+        self._deadline = self._compute_deadline(gating)
+
+    def _sorted(self, *states: TenantState) -> list[_Tenant]:
+        return sorted((t for t in self._tenants.values() if t.state in states), key=lambda t: t.seq)
+
+    def _compute_deadline(self, gating: frozenset[GpuId]) -> float | None:
+        deadlines: list[float] = []
+        for t in self._tenants.values():
+            if t.state in (S.HOLDER, S.CORUNNING):
+                deadlines.append(self._idle_at(t))
+            if t.state is S.HOLDER:
+                preempt = self._preempt_at(t, gating)
+                if preempt is not None:
+                    deadlines.append(preempt)
+        return min(deadlines, default=None)
+
+
+def _gpu_sort_key(gpu: GpuId) -> tuple[int, str]:
+    return (int(gpu), gpu) if gpu.isdigit() else (1 << 30, gpu)
+
+

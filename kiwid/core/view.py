@@ -1,0 +1,56 @@
+"""Read-only snapshots of the scheduler, for status displays."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kiwid.core.model import GpuId, GpuPolicy, TenantId, TenantState
+
+
+@dataclass(frozen=True)
+class WaiterView:
+    """One tenant in a GPU's queue."""
+
+    tenant: TenantId
+    since: float
+    """Monotonic time it started waiting."""
+    position: int
+    """1 is next."""
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """One GPU: who holds it and who waits."""
+
+    gpu: GpuId
+    policy: GpuPolicy
+    gating: bool
+    """Whether tenants take turns on it now."""
+    holder: TenantId | None
+    holder_since: float | None
+    preempt_at: float | None
+    """When the holder must yield (``None``: nobody waits, it may keep the GPU)."""
+    waiters: tuple[WaiterView, ...]
+    memory_in_use_bytes: int
+
+
+@dataclass(frozen=True)
+class TenantView:
+    """One tenant's scheduling facts."""
+
+    tenant: TenantId
+    state: TenantState
+    since: float
+    gpus: frozenset[GpuId]
+    last_active: float | None
+    footprint: Mapping[GpuId, int | None]
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """Everything a status display needs, at ``now``."""
+
+    now: float
+    gpus: tuple[GpuView, ...]
+    tenants: tuple[TenantView, ...]

@@ -1,0 +1,251 @@
+"""Scenario tests of the scheduling core with a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiwid.core.clock import FakeClock
+from kiwid.core.events import (
+    ActivitySeen,
+    FootprintSeen,
+    Gate,
+    GpusConfigured,
+    TenantAttached,
+    TenantDetached,
+    Tick,
+    Ungate,
+)
+from kiwid.core.model import GpuPolicy, Mode, TenantState
+from kiwid.core.scheduler import Scheduler
+
+GiB = 2**30
+S = TenantState
+
+
+class Harness:
+    """A scheduler, a fake clock and helpers that read like the scenario."""
+
+    def __init__(self, **policy: object) -> None:
+        self.clock = FakeClock(100.0)
+        self.policy = GpuPolicy(tq_s=30, idle_release_s=5, **policy)  # type: ignore[arg-type]
+        self.sched = Scheduler({"0": self.policy, "1": self.policy})
+        self.actions: list[object] = []
+
+    def do(self, event: object) -> list[object]:
+        out = self.sched.handle(event, self.clock.now())  # type: ignore[arg-type]
+        self.actions.extend(out)
+        return list(out)
+
+    def attach(self, *names: str, gpus: tuple[str, ...] = ("0",)) -> None:
+        for name in names:
+            self.do(TenantAttached(name, frozenset(gpus)))
+
+    def active(self, *names: str) -> list[object]:
+        out: list[object] = []
+        for name in names:
+            out += self.do(ActivitySeen(name))
+        return out
+
+    def advance(self, seconds: float, *, keep_active: tuple[str, ...] = ()) -> None:
+        """Advance in 1 s steps, ticking at every deadline, with activity from
+        ``keep_active`` tenants whenever they are not gated."""
+        end = self.clock.now() + seconds
+        while self.clock.now() < end:
+            deadline = self.sched.next_deadline()
+            step = min(1.0, end - self.clock.now())
+            if deadline is not None and deadline > self.clock.now():
+                step = min(step, deadline - self.clock.now())
+            self.clock.advance(step)
+            self.do(Tick())
+            for name in keep_active:
+                if self.state(name) not in (S.WAITING, None):
+                    self.do(ActivitySeen(name))
+
+    def state(self, name: str) -> TenantState | None:
+        return self.sched.tenant_state(name)
+
+
+def test_lone_burst_holds_without_gating_and_keeps_the_gpu_past_tq() -> None:
+    h = Harness()
+    h.attach("a")
+    assert h.active("a") == []
+    assert h.state("a") is S.HOLDER
+    h.advance(120, keep_active=("a",))
+    assert h.state("a") is S.HOLDER, "nobody waits: no pointless hand-over"
+    assert h.actions == []
+
+
+def test_second_burst_waits_then_rotates_at_tq() -> None:
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a")
+    h.advance(10, keep_active=("a",))
+    assert h.active("b") == [Gate("b")]
+    assert h.sched.view(h.clock.now()).gpus[0].preempt_at == 130.0  # grant + TQ
+    h.advance(19.5, keep_active=("a", "b"))
+    assert h.state("a") is S.HOLDER
+    h.advance(0.5, keep_active=("a", "b"))
+    assert h.state("a") is S.WAITING
+    assert h.state("b") is S.HOLDER
+    assert h.actions[-2:] == [Gate("a"), Ungate("b")]
+
+
+def test_preemption_when_someone_starts_waiting_after_tq_is_immediate() -> None:
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a")
+    h.advance(45, keep_active=("a",))
+    assert h.active("b") == [Gate("b"), Gate("a"), Ungate("b")]
+    assert h.state("b") is S.HOLDER
+
+
+def test_round_robin_order_with_three_tenants() -> None:
+    h = Harness()
+    h.attach("a", "b", "c")
+    h.active("a", "b", "c")
+    holders = []
+    for _ in range(6):
+        holders.append(next(t for t in "abc" if h.state(t) is S.HOLDER))
+        h.advance(30, keep_active=("a", "b", "c"))
+    assert holders == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_idle_holder_yields_early_and_next_waiter_is_granted() -> None:
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    h.advance(4.9, keep_active=("b",))  # a does nothing
+    assert h.state("a") is S.HOLDER
+    h.advance(0.1, keep_active=("b",))
+    assert h.state("a") is S.IDLE
+    assert h.state("b") is S.HOLDER
+    assert h.actions[-1] == Ungate("b")
+
+
+def test_granted_waiter_without_gpu_work_goes_back_to_idle() -> None:
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    h.advance(30, keep_active=("a",))
+    assert h.state("b") is S.HOLDER
+    h.advance(5, keep_active=("a",))
+    assert h.state("b") is S.IDLE
+    assert h.state("a") is S.HOLDER
+
+
+def test_holder_that_exits_hands_over_at_once() -> None:
+    h = Harness()
+    h.attach("a", "b", "c")
+    h.active("a", "b", "c")
+    assert h.do(TenantDetached("a")) == [Ungate("b")]
+    assert h.state("c") is S.WAITING
+
+
+def test_no_action_for_a_waiter_that_exits() -> None:
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    assert h.do(TenantDetached("b")) == []
+    assert h.sched.next_deadline() == 105.0  # only a's idle deadline remains
+
+
+def test_tq_change_reschedules_the_running_quantum() -> None:
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    h.advance(12, keep_active=("a",))
+    out = h.do(GpusConfigured({"0": GpuPolicy(tq_s=10), "1": h.policy}))
+    assert out == [Gate("a"), Ungate("b")], "max(grant + TQ, now) = now"
+
+
+def test_mode_off_never_gates_and_releases_waiters() -> None:
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    assert h.state("b") is S.WAITING
+    out = h.do(GpusConfigured({"0": GpuPolicy(mode=Mode.OFF), "1": h.policy}))
+    assert out == [Ungate("b")]
+    assert {h.state("a"), h.state("b")} == {S.CORUNNING}
+    h.attach("c")
+    assert h.active("c") == []
+
+
+def test_auto_mode_gates_only_when_memory_does_not_fit() -> None:
+    h = Harness(mode=Mode.AUTO, capacity_bytes=80 * GiB, reserve_bytes=GiB)
+    h.attach("a", "b", "c")
+    h.do(FootprintSeen("a", "0", 30 * GiB))
+    h.do(FootprintSeen("b", "0", 30 * GiB))
+    h.do(FootprintSeen("c", "0", 30 * GiB))
+    assert h.active("a", "b") == []
+    assert {h.state("a"), h.state("b")} == {S.CORUNNING}
+    out = h.active("c")  # 90 GiB > 79 GiB: rotate, first come first
+    assert h.state("a") is S.HOLDER
+    assert sorted(out, key=repr) == [Gate("b"), Gate("c")]
+    h.do(TenantDetached("c"))  # 60 GiB fits again
+    assert {h.state("a"), h.state("b")} == {S.CORUNNING}
+    assert h.actions[-1] == Ungate("b")
+
+
+def test_multi_gpu_tenant_holds_all_or_none_and_is_not_overtaken() -> None:
+    h = Harness()
+    h.attach("a", gpus=("0",))
+    h.attach("big", gpus=("0", "1"))
+    h.attach("b", gpus=("1",))
+    h.active("a")
+    assert h.active("big") == [Gate("big")]
+    # b arrives on a free GPU 1, but big claimed it first: b waits behind big.
+    assert h.active("b") == [Gate("b")]
+    h.advance(30, keep_active=("a", "big", "b"))
+    assert h.state("big") is S.HOLDER
+    assert h.state("a") is S.WAITING
+    assert h.state("b") is S.WAITING
+    h.advance(30, keep_active=("a", "big", "b"))
+    assert h.state("a") is S.HOLDER
+    assert h.state("b") is S.HOLDER
+
+
+def test_per_gpu_tq() -> None:
+    h = Harness()
+    h.do(GpusConfigured({"0": GpuPolicy(tq_s=30), "1": GpuPolicy(tq_s=60)}))
+    h.attach("a", "b", gpus=("1",))
+    h.active("a", "b")
+    assert h.sched.next_deadline() == 105.0  # idle release first
+    h.advance(59, keep_active=("a", "b"))
+    assert h.state("a") is S.HOLDER
+    h.advance(1, keep_active=("a", "b"))
+    assert h.state("b") is S.HOLDER
+
+
+def test_unknown_tenants_and_gpus_are_ignored() -> None:
+    h = Harness()
+    assert h.do(ActivitySeen("ghost")) == []
+    assert h.do(TenantDetached("ghost")) == []
+    h.attach("x", gpus=("7",))
+    assert h.active("x") == []
+    assert h.state("x") is S.CORUNNING
+
+
+def test_view_lists_holder_and_waiters_in_order() -> None:
+    h = Harness()
+    h.attach("a", "b", "c")
+    h.active("a", "b", "c")
+    view = h.sched.view(h.clock.now())
+    gpu0 = view.gpus[0]
+    assert gpu0.holder == "a"
+    assert gpu0.preempt_at == 130.0
+    assert [(w.tenant, w.position) for w in gpu0.waiters] == [("b", 1), ("c", 2)]
+    assert [t.tenant for t in view.tenants] == ["a", "b", "c"]
+
+
+def test_time_never_goes_back() -> None:
+    h = Harness()
+    h.attach("a")
+    h.active("a")
+    h.sched.handle(Tick(), 0.0)
+    assert h.state("a") is S.HOLDER
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan")])
+def test_policy_rejects_bad_tq(bad: float) -> None:
+    with pytest.raises(ValueError, match="tq_s"):
+        GpuPolicy(tq_s=bad)

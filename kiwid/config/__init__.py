@@ -1,1 +1,49 @@
-"""Kiwi config package."""
+"""Kiwi configuration: grouped frozen settings and their TOML loader."""
+
+from __future__ import annotations
+
+from kiwid.config.loader import (
+    DEFAULT_PATH,
+    SHORT_TQ_S,
+    ConfigError,
+    LoadedConfig,
+    check_config_main,
+    load_config,
+    parse_config,
+)
+from kiwid.config.schema import (
+    BACKENDS,
+    LOG_LEVELS,
+    MODES,
+    ControlSettings,
+    DaemonSettings,
+    EffectivePolicy,
+    GpuOverride,
+    GpuOverrides,
+    GpuSettings,
+    MemorySettings,
+    SchedulerSettings,
+    Settings,
+)
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_PATH",
+    "LOG_LEVELS",
+    "MODES",
+    "SHORT_TQ_S",
+    "ConfigError",
+    "ControlSettings",
+    "DaemonSettings",
+    "EffectivePolicy",
+    "GpuOverride",
+    "GpuOverrides",
+    "GpuSettings",
+    "LoadedConfig",
+    "MemorySettings",
+    "SchedulerSettings",
+    "Settings",
+    "check_config_main",
+    "load_config",
+    "parse_config",
+]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kiwid.core.events import (
@@ -43,6 +43,7 @@ from kiwid.core.states import Trigger, transition
 from kiwid.core.view import GpuView, SchedulerView, TenantView, WaiterView
 
 S = TenantState
+_NO_GPU: GpuId = ""  # index key for tenants attached to no GPU
 
 
 @dataclass
@@ -75,9 +76,13 @@ class Scheduler:
         self._policies: dict[GpuId, GpuPolicy] = dict(policies or {})
         self._default = default_policy or GpuPolicy()
         self._tenants: dict[TenantId, _Tenant] = {}
+        self._by_gpu: dict[GpuId, set[TenantId]] = {}
         self._seq = itertools.count()
         self._now = -math.inf
-        self._deadline: float | None = None
+        # Per GPU, the earliest time one of its tenants needs a Tick. It may be
+        # stale-early (activity moved a deadline later): that costs one scoped
+        # reconcile, never a missed deadline.
+        self._gpu_deadline: dict[GpuId, float] = {}
 
     # ------------------------------------------------------------ public API
 
@@ -90,35 +95,54 @@ class Scheduler:
         now = max(now, self._now)
         self._now = now
         actions: list[Action] = []
+        # Most events touch the GPUs of one tenant only: reconcile just those
+        # (``scope``); ``None`` means every GPU. The two hot events of every
+        # poll, activity of a running burst and an unchanged footprint, need
+        # no reconciliation at all.
+        scope: set[GpuId] | None = set()
         match event:
             case GpusConfigured(policies=policies):
                 self._policies = dict(policies)
+                scope = None
             case TenantAttached(tenant=tid, gpus=gpus):
                 known = self._tenants.get(tid)
                 if known is None:
-                    self._tenants[tid] = _Tenant(tid, gpus, next(self._seq), state_since=now)
+                    known = _Tenant(tid, gpus, next(self._seq), state_since=now)
+                    self._tenants[tid] = known
+                    scope = set(gpus)
                 else:
+                    scope = set(known.gpus | gpus)
+                    self._unindex(known)
                     known.gpus = gpus
+                self._index(known)
             case TenantDetached(tenant=tid):
-                self._tenants.pop(tid, None)
+                gone = self._tenants.pop(tid, None)
+                if gone is not None:
+                    self._unindex(gone)
+                    scope = set(gone.gpus)
             case ActivitySeen(tenant=tid):
                 tenant = self._tenants.get(tid)
                 if tenant is not None:
                     tenant.last_active = now
                     if tenant.state is S.IDLE:
                         self._start_burst(tenant, now, actions)
+                        scope = set(tenant.gpus)
             case FootprintSeen(tenant=tid, gpu=gpu, used_bytes=used):
                 tenant = self._tenants.get(tid)
-                if tenant is not None:
+                if tenant is not None and tenant.footprint.get(gpu, -1) != used:
                     tenant.footprint[gpu] = used
+                    policy = self._policies.get(gpu)
+                    if policy is not None and policy.mode is Mode.AUTO:
+                        scope = {gpu}
             case Tick():
-                pass
-        self._reconcile(now, actions)
+                scope = {g for g, d in self._gpu_deadline.items() if d <= now}
+        if scope is None or scope:
+            self._reconcile(now, actions, scope)
         return actions
 
     def next_deadline(self) -> float | None:
         """Return when the core next needs a ``Tick`` (monotonic s), or ``None``."""
-        return self._deadline
+        return min(self._gpu_deadline.values(), default=None)
 
     def policy(self, gpu: GpuId) -> GpuPolicy | None:
         """Return the policy in force on ``gpu`` (``None``: not managed)."""
@@ -172,6 +196,35 @@ class Scheduler:
 
     # ------------------------------------------------------------ internals
 
+    def _index(self, tenant: _Tenant) -> None:
+        for gpu in tenant.gpus or (_NO_GPU,):
+            self._by_gpu.setdefault(gpu, set()).add(tenant.id)
+
+    def _unindex(self, tenant: _Tenant) -> None:
+        for gpu in tenant.gpus or (_NO_GPU,):
+            members = self._by_gpu.get(gpu)
+            if members is not None:
+                members.discard(tenant.id)
+                if not members:
+                    del self._by_gpu[gpu]
+
+    def _closure(self, gpus: set[GpuId]) -> list[_Tenant]:
+        """Every tenant linked to ``gpus``, directly or through multi-GPU tenants."""
+        seen_gpus: set[GpuId] = set()
+        found: dict[TenantId, _Tenant] = {}
+        todo = list(gpus)
+        while todo:
+            gpu = todo.pop()
+            if gpu in seen_gpus:
+                continue
+            seen_gpus.add(gpu)
+            for tid in self._by_gpu.get(gpu, ()):
+                if tid not in found:
+                    tenant = self._tenants[tid]
+                    found[tid] = tenant
+                    todo.extend(tenant.gpus - seen_gpus)
+        return list(found.values())
+
     def _policy_of(self, tenant: _Tenant) -> GpuPolicy:
         """The policy that times a tenant: the strictest of its managed GPUs."""
         managed = [self._policies[g] for g in tenant.gpus if g in self._policies]
@@ -179,27 +232,34 @@ class Scheduler:
             return self._default
         return min(managed, key=lambda p: p.idle_release_s)
 
-    def _gating(self, extra: _Tenant | None = None) -> frozenset[GpuId]:
-        """GPUs whose tenants must take turns now (``extra`` counts as bursting)."""
+    def _gating(
+        self, gpus: Iterable[GpuId] | None = None, extra: _Tenant | None = None
+    ) -> frozenset[GpuId]:
+        """Which of ``gpus`` (default all) gate now (``extra`` counts as bursting)."""
         gating: set[GpuId] = set()
-        for gpu, policy in self._policies.items():
+        for gpu in self._policies if gpus is None else gpus:
+            policy = self._policies.get(gpu)
+            if policy is None or policy.mode is Mode.OFF:
+                continue
             if policy.mode is Mode.EXCLUSIVE:
                 gating.add(gpu)
-            elif policy.mode is Mode.AUTO:
-                demand = sum(
-                    t.footprint.get(gpu) or 0
-                    for t in self._tenants.values()
-                    if gpu in t.gpus and (t.bursting or t is extra)
-                )
-                if demand > policy.capacity_bytes - policy.reserve_bytes:
-                    gating.add(gpu)
+                continue
+            demand = 0
+            for tid in self._by_gpu.get(gpu, ()):
+                t = self._tenants[tid]
+                if t.bursting or t is extra:
+                    demand += t.footprint.get(gpu) or 0
+            if demand > policy.capacity_bytes - policy.reserve_bytes:
+                gating.add(gpu)
         return frozenset(gating)
 
-    def _queue(self, gating: frozenset[GpuId]) -> list[_Tenant]:
+    def _queue(
+        self, gating: frozenset[GpuId], among: Iterable[_Tenant] | None = None
+    ) -> list[_Tenant]:
         """Tenants that want gated GPUs they do not hold, first come first."""
         wanting = [
             t
-            for t in self._tenants.values()
+            for t in (self._tenants.values() if among is None else among)
             if t.state in (S.WAITING, S.CORUNNING) and t.gpus & gating
         ]
         return sorted(wanting, key=lambda t: t.seq)
@@ -209,13 +269,13 @@ class Scheduler:
         tenant.state_since = now
 
     def _start_burst(self, tenant: _Tenant, now: float, actions: list[Action]) -> None:
-        gating = self._gating(extra=tenant)
+        gating = self._gating(tenant.gpus, extra=tenant)
         need = tenant.gpus & gating
         tenant.seq = next(self._seq)
         if not need:
             self._set_state(tenant, Trigger.BURST_UNGATED, now)
             return
-        claimed = self._claimed(gating)
+        claimed = self._claimed(gating, self._closure(set(need)))
         if need & claimed:
             self._set_state(tenant, Trigger.BURST_BUSY, now)
             actions.append(Gate(tenant.id))
@@ -223,59 +283,87 @@ class Scheduler:
             self._set_state(tenant, Trigger.BURST_FREE, now)
             tenant.granted_at = now
 
-    def _claimed(self, gating: frozenset[GpuId]) -> set[GpuId]:
+    def _claimed(self, gating: frozenset[GpuId], among: Iterable[_Tenant]) -> set[GpuId]:
         """Gated GPUs that a holder holds or that an earlier burst is queued for."""
         claimed: set[GpuId] = set()
-        for t in self._tenants.values():
+        for t in among:
             if t.state is not S.IDLE:
                 claimed |= t.gpus & gating
         return claimed
 
-    def _preempt_at(self, holder: _Tenant, gating: frozenset[GpuId]) -> float | None:
-        """When ``holder`` must yield: grant + the shortest TQ of its contested GPUs."""
+    def _preempt_at(
+        self,
+        holder: _Tenant,
+        gating: frozenset[GpuId],
+        wanted: set[GpuId] | None = None,
+    ) -> float | None:
+        """When ``holder`` must yield: grant + the shortest TQ of its contested GPUs.
+
+        ``wanted`` are the gated GPUs that waiters want (computed if not given).
+        """
         assert holder.granted_at is not None
-        wanted: set[GpuId] = set()
-        for t in self._queue(gating):
-            wanted |= t.gpus & gating
+        if wanted is None:
+            wanted = self._wanted(gating, self._closure(set(holder.gpus)))
         contested = holder.gpus & gating & wanted
         if not contested:
             return None
         return holder.granted_at + min(self._policies[g].tq_s for g in contested)
+
+    def _wanted(self, gating: frozenset[GpuId], among: Iterable[_Tenant]) -> set[GpuId]:
+        wanted: set[GpuId] = set()
+        for t in among:
+            if t.state in (S.WAITING, S.CORUNNING):
+                wanted |= t.gpus & gating
+        return wanted
 
     def _idle_at(self, tenant: _Tenant) -> float:
         """When a holder or co-runner without further activity goes idle."""
         start = max(t for t in (tenant.granted_at, tenant.last_active) if t is not None)
         return start + self._policy_of(tenant).idle_release_s
 
-    def _reconcile(self, now: float, actions: list[Action]) -> None:
-        """Bring every tenant in line with the rules at ``now``."""
+    def _reconcile(self, now: float, actions: list[Action], scope: set[GpuId] | None) -> None:
+        """Bring the tenants of ``scope`` (``None``: all) in line with the rules."""
+        if scope is None:
+            among = list(self._tenants.values())
+            gating = self._gating()
+        else:
+            among = self._closure(scope)
+            gpus: set[GpuId] = set(scope)
+            for t in among:
+                gpus |= t.gpus
+            gating = self._gating(gpus)
+        among.sort(key=lambda t: t.seq)
         # 1. Early release: bursts that went quiet.
-        for t in self._sorted(S.HOLDER, S.CORUNNING):
-            if now >= self._idle_at(t):
+        for t in among:
+            if t.state in (S.HOLDER, S.CORUNNING) and now >= self._idle_at(t):
                 self._set_state(t, Trigger.IDLE_TIMEOUT, now)
                 t.granted_at = None
-        gating = self._gating()
+        if scope is not None:  # a release may change auto-mode gating
+            gating = self._gating(gpus)
         # 2. GPUs that stopped gating free their holders and waiters.
-        for t in self._sorted(S.HOLDER, S.WAITING):
-            if not t.gpus & gating:
+        for t in among:
+            if t.state in (S.HOLDER, S.WAITING) and not t.gpus & gating:
                 if t.state is S.WAITING:
                     actions.append(Ungate(t.id))
                     t.last_active = now  # a fresh window to show activity
                 self._set_state(t, Trigger.GATING_STOPPED, now)
                 t.granted_at = None
         # 3. Preemption: quantum over and someone waits.
-        for t in self._sorted(S.HOLDER):
-            deadline = self._preempt_at(t, gating)
+        wanted = self._wanted(gating, among)
+        for t in [t for t in among if t.state is S.HOLDER]:
+            deadline = self._preempt_at(t, gating, wanted)
             if deadline is not None and now >= deadline:
                 self._set_state(t, Trigger.PREEMPTED, now)
                 t.granted_at = None
                 t.seq = next(self._seq)
                 actions.append(Gate(t.id))
+        among.sort(key=lambda t: t.seq)
         # 4. Grants, first come first served, all GPUs or none.
         blocked: set[GpuId] = set()
-        for t in self._sorted(S.HOLDER):
-            blocked |= t.gpus & gating
-        for t in self._queue(gating):
+        for t in among:
+            if t.state is S.HOLDER:
+                blocked |= t.gpus & gating
+        for t in self._queue(gating, among):
             need = t.gpus & gating
             if need & blocked:
                 if t.state is S.CORUNNING:
@@ -287,21 +375,33 @@ class Scheduler:
                 self._set_state(t, Trigger.GRANTED, now)
                 t.granted_at = now
             blocked |= need
-        self._deadline = self._compute_deadline(gating)
+        self._update_deadlines(gating, among, scope)
 
-    def _sorted(self, *states: TenantState) -> list[_Tenant]:
-        return sorted((t for t in self._tenants.values() if t.state in states), key=lambda t: t.seq)
-
-    def _compute_deadline(self, gating: frozenset[GpuId]) -> float | None:
-        deadlines: list[float] = []
-        for t in self._tenants.values():
-            if t.state in (S.HOLDER, S.CORUNNING):
-                deadlines.append(self._idle_at(t))
+    def _update_deadlines(
+        self, gating: frozenset[GpuId], among: list[_Tenant], scope: set[GpuId] | None
+    ) -> None:
+        """Recompute the per-GPU deadlines of every GPU that ``among`` touches."""
+        if scope is None:
+            self._gpu_deadline.clear()
+        else:
+            for gpu in scope:
+                self._gpu_deadline.pop(gpu, None)
+            for t in among:
+                for gpu in t.gpus or (_NO_GPU,):
+                    self._gpu_deadline.pop(gpu, None)
+        wanted = self._wanted(gating, among)
+        for t in among:
+            if t.state not in (S.HOLDER, S.CORUNNING):
+                continue
+            deadline = self._idle_at(t)
             if t.state is S.HOLDER:
-                preempt = self._preempt_at(t, gating)
+                preempt = self._preempt_at(t, gating, wanted)
                 if preempt is not None:
-                    deadlines.append(preempt)
-        return min(deadlines, default=None)
+                    deadline = min(deadline, preempt)
+            for gpu in t.gpus or (_NO_GPU,):
+                known = self._gpu_deadline.get(gpu)
+                if known is None or deadline < known:
+                    self._gpu_deadline[gpu] = deadline
 
 
 def _gpu_sort_key(gpu: GpuId) -> tuple[int, str]:

@@ -1,0 +1,337 @@
+"""TOML text to validated :class:`~kiwid.config.schema.Settings`.
+
+Every problem in a file is collected and reported together, one line each, naming
+the file, the dotted key and the bad value, so an operator fixes a file in one pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import tomllib
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiwid.config.schema import (
+    BACKENDS,
+    LOG_LEVELS,
+    MODES,
+    ControlSettings,
+    DaemonSettings,
+    GpuOverride,
+    GpuOverrides,
+    GpuSettings,
+    MemorySettings,
+    SchedulerSettings,
+    Settings,
+)
+
+DEFAULT_PATH = Path("/etc/kiwi.toml")
+"""Where ``kiwid check-config`` looks when given no path."""
+
+SHORT_TQ_S = 5.0
+"""A TQ at or below this many seconds draws a warning."""
+
+_SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes including the final NUL
+_GPU_KEY = re.compile(r"0|[1-9][0-9]*|(?:GPU|MIG)-\S+")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; ``str()`` gives one line per problem.
+
+    Attributes:
+        problems: The problems, each naming the file, the dotted key and the value.
+    """
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        """Record ``problems`` (at least one)."""
+        self.problems = tuple(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """The result of a successful load."""
+
+    settings: Settings
+    """The validated settings."""
+
+    warnings: tuple[str, ...]
+    """Legal but discouraged values, one readable line each."""
+
+    source: Path | None
+    """The file read, or ``None`` for text that came from no file."""
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """How one TOML value is checked, and which dataclass field it fills."""
+
+    attr: str
+    kind: type[int] | type[float] | type[str]  # float accepts integers too
+    expects: str  # completes "must be ..."
+    accepts: Callable[[Any], bool]
+
+
+def _above_zero(attr: str, unit: str) -> _Rule:
+    """A finite number of ``unit`` > 0; integers are accepted."""
+    return _Rule(attr, float, f"a number of {unit} > 0", lambda v: 0 < v < math.inf)
+
+
+def _within(
+    attr: str, kind: type[int] | type[float], unit: str, low: float, high: float | None = None
+) -> _Rule:
+    """A number of ``kind`` from ``low`` to ``high`` inclusive; no ``high``: no upper bound."""
+    noun = "an integer number" if kind is int else "a number"
+    bounds = f">= {low:g}" if high is None else f"from {low:g} to {high:g}"
+    top = math.inf if high is None else high
+    return _Rule(attr, kind, f"{noun} of {unit} {bounds}", lambda v: low <= v <= top)
+
+
+def _choice(attr: str, options: Collection[str]) -> _Rule:
+    return _Rule(attr, str, "one of " + ", ".join(map(json.dumps, options)), options.__contains__)
+
+
+def _abs_path(attr: str, max_bytes: int = 4095) -> _Rule:
+    expects = f"an absolute path of at most {max_bytes} bytes"
+    return _Rule(attr, str, expects, lambda v: v[:1] == "/" and len(v.encode()) <= max_bytes)
+
+
+_OVERRIDE_RULES = {
+    "tq": _above_zero("tq", "seconds"),
+    "idle_release": _above_zero("idle_release", "seconds"),
+    "mode": _choice("mode", MODES),
+}
+_SCHEDULER_RULES = {
+    **_OVERRIDE_RULES,
+    "handover_allowance": _above_zero("handover_allowance", "seconds"),
+}
+_GPU_RULES = {
+    "backend": _choice("backend", BACKENDS),
+    "poll_interval": _within("poll_interval", float, "seconds", 0.05, 60),
+}
+_SIM_RULES = {
+    "devices": _within("sim_devices", int, "devices", 1, 64),
+    "memory_gib": _above_zero("sim_memory_gib", "GiB"),
+}
+_CONTROL_RULES = {
+    "socket": _abs_path("socket", _SOCKET_PATH_MAX_BYTES),
+    "admin_group": _Rule("admin_group", str, "a group name", lambda v: bool(v) and v.isprintable()),
+}
+_DAEMON_RULES = {
+    "state_dir": _abs_path("state_dir"),
+    "shutdown_timeout": _above_zero("shutdown_timeout", "seconds"),
+    "log_level": _choice("log_level", LOG_LEVELS),
+}
+_MEMORY_RULES = {"reserve_mib": _within("reserve_mib", int, "MiB", 0)}
+_SECTIONS = ("scheduler", "gpu", "control", "daemon", "memory")
+
+
+def _has_kind(value: object, kind: type) -> bool:
+    """Whether ``value`` has TOML type ``kind``; a bool is no number, an int is a float."""
+    wanted = (int, float) if kind is float else kind
+    return isinstance(value, wanted) and not isinstance(value, bool)
+
+
+def _type_name(value: object) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
+    names |= {list: "an array", dict: "a table"}
+    return names.get(type(value), "a date or time")
+
+
+def _show(value: object) -> str:
+    """Write ``value`` roughly as TOML would, shortened to fit on a line."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, list):
+        text = "[" + ", ".join(map(_show, value)) + "]"
+    elif isinstance(value, dict):
+        text = "{ " + ", ".join(f"{_key(k)} = {_show(v)}" for k, v in value.items()) + " }"
+    elif isinstance(value, int | float):
+        text = repr(value)
+    else:
+        text = str(value)  # TOML dates and times
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else json.dumps(key, ensure_ascii=False)
+
+
+class _Reader:
+    """Walks a parsed document, collecting problems and warnings as it goes."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.problems: list[str] = []
+        self.warnings: list[str] = []
+
+    def problem(self, text: str) -> None:
+        self.problems.append(f"{self.label}: {text}")
+
+    def table(self, parent: Mapping[str, Any], name: str, dotted: str = "") -> dict[str, Any]:
+        """Return ``parent[name]`` if it is a table (or absent: ``{}``), else note why."""
+        value = parent.get(name, {})
+        if isinstance(value, dict):
+            return value
+        self.problem(f"{dotted or name} = {_show(value)}: must be a table, not {_type_name(value)}")
+        return {}
+
+    def section(
+        self, doc: Mapping[str, Any], name: str, rules: Mapping[str, _Rule]
+    ) -> dict[str, Any]:
+        """Check the top-level table ``name`` against ``rules``."""
+        return self.fields(self.table(doc, name), name, rules)
+
+    def fields(
+        self,
+        table: Mapping[str, Any],
+        prefix: str,
+        rules: Mapping[str, _Rule],
+        subtables: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """Check every key of ``table``; return valid values keyed by dataclass field."""
+        values: dict[str, Any] = {}
+        for key, value in table.items():
+            dotted = f"{prefix}.{_key(key)}" if prefix else _key(key)
+            rule = rules.get(key)
+            if rule is None:
+                if key not in subtables:
+                    known = ", ".join([*rules, *subtables])
+                    self.problem(f"unknown key {dotted} (known keys: {known})")
+                continue
+            kind_ok = _has_kind(value, rule.kind)
+            if kind_ok and rule.accepts(value):
+                values[rule.attr] = float(value) if rule.kind is float else value
+                if rule.attr == "tq" and value <= SHORT_TQ_S:
+                    self.warnings.append(
+                        f"{dotted} = {_show(value)}: a TQ of {SHORT_TQ_S:g} s or less is "
+                        "discouraged: each hand-over moves the tenant's GPU memory, so a "
+                        "short quantum is spent waiting for data"
+                    )
+            else:
+                got = "" if kind_ok else f", not {_type_name(value)}"
+                self.problem(f"{dotted} = {_show(value)}: must be {rule.expects}{got}")
+        return values
+
+
+def _scheduler(reader: _Reader, doc: Mapping[str, Any]) -> SchedulerSettings:
+    table = reader.table(doc, "scheduler")
+    values = reader.fields(table, "scheduler", _SCHEDULER_RULES, ("gpu",))
+    overrides: dict[str, GpuOverride] = {}
+    for key in reader.table(table, "gpu", "scheduler.gpu"):
+        dotted = f"scheduler.gpu.{json.dumps(key, ensure_ascii=False)}"
+        if not _GPU_KEY.fullmatch(key):
+            reader.problem(
+                f'{dotted}: a GPU key must be a decimal index such as "0" '
+                'or a UUID starting with "GPU-" or "MIG-"'
+            )
+            continue
+        gpu_table = reader.table(table["gpu"], key, dotted)
+        overrides[key] = GpuOverride(**reader.fields(gpu_table, dotted, _OVERRIDE_RULES))
+    return SchedulerSettings(gpu=GpuOverrides(overrides), **values)
+
+
+def _build(reader: _Reader, doc: Mapping[str, Any]) -> Settings:
+    reader.fields(doc, "", {}, _SECTIONS)  # only reports unknown top-level keys
+    scheduler = _scheduler(reader, doc)
+    gpu = reader.table(doc, "gpu")
+    gpu_values = reader.fields(gpu, "gpu", _GPU_RULES, ("sim",))
+    gpu_values |= reader.fields(reader.table(gpu, "sim", "gpu.sim"), "gpu.sim", _SIM_RULES)
+    return Settings(
+        scheduler,
+        GpuSettings(**gpu_values),
+        ControlSettings(**reader.section(doc, "control", _CONTROL_RULES)),
+        DaemonSettings(**reader.section(doc, "daemon", _DAEMON_RULES)),
+        MemorySettings(**reader.section(doc, "memory", _MEMORY_RULES)),
+    )
+
+
+def parse_config(text: str, source: str | Path = "<string>") -> LoadedConfig:
+    """Parse and validate configuration text.
+
+    Args:
+        text: The TOML document.
+        source: The file it came from, used in messages. A name in angle brackets,
+            such as the default ``"<string>"``, marks text from no file.
+
+    Returns:
+        The settings, with missing keys at their defaults, and any warnings.
+
+    Raises:
+        ConfigError: The text is not TOML, or has unknown keys or bad values; every
+            problem found is listed.
+    """
+    label = str(source)
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{label}: invalid TOML: {exc}"]) from exc
+    reader = _Reader(label)
+    settings = _build(reader, doc)
+    if reader.problems:
+        raise ConfigError(reader.problems)
+    path = None if label.startswith("<") and label.endswith(">") else Path(source)
+    return LoadedConfig(settings, tuple(reader.warnings), path)
+
+
+def load_config(path: str | Path) -> LoadedConfig:
+    """Read, parse and validate a configuration file.
+
+    Args:
+        path: The TOML file, UTF-8 encoded.
+
+    Returns:
+        The settings, any warnings, and ``path`` as ``source``.
+
+    Raises:
+        ConfigError: The file cannot be read (the OS reason is given), is not UTF-8
+            or not TOML, or has unknown keys or bad values.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}"]) from exc
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
+    return parse_config(text, path)
+
+
+def check_config_main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kiwid check-config [PATH]``: validate a file and report.
+
+    Prints ``PATH: OK`` on stdout and any warnings on stderr when the file is usable,
+    else the problems on stderr.
+
+    Args:
+        argv: The words after ``check-config``; ``None`` means ``sys.argv[2:]``.
+
+    Returns:
+        The exit status: 0 if the file is usable, 1 if not, 2 for a usage error.
+    """
+    args = list(sys.argv[2:] if argv is None else argv)
+    usage = "usage: kiwid check-config [PATH]"
+    if args[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\nValidate a kiwid configuration file (default {DEFAULT_PATH}).")
+        return 0
+    if len(args) > 1 or any(a.startswith("-") for a in args):
+        print(f"{usage}\nerror: unexpected arguments: {' '.join(args)}", file=sys.stderr)
+        return 2
+    path = Path(args[0]) if args else DEFAULT_PATH
+    try:
+        loaded = load_config(path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    for warning in loaded.warnings:
+        print(f"warning: {path}: {warning}", file=sys.stderr)
+    print(f"{path}: OK")
+    return 0

@@ -1,0 +1,225 @@
+"""Grouped, frozen settings for kiwid.
+
+Every class here is a plain value: it can be built in code (``Settings()`` is the
+default configuration), compared and hashed. Reading and validating TOML is the job of
+:mod:`kiwid.config.loader`; the allowed values are documented on each field and
+enforced there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+MODES = ("exclusive", "auto", "off")
+"""Scheduling modes, see :attr:`SchedulerSettings.mode`."""
+
+BACKENDS = ("nvml", "sim")
+"""GPU backends, see :attr:`GpuSettings.backend`."""
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+"""Log levels, see :attr:`DaemonSettings.log_level`."""
+
+
+@dataclass(frozen=True)
+class GpuOverride:
+    """Scheduler settings for one GPU; ``None`` keeps the global value.
+
+    Keyed in :attr:`SchedulerSettings.gpu` by decimal index (``"0"``) or by UUID
+    (``"GPU-…"``, ``"MIG-…"``); see :meth:`SchedulerSettings.for_gpu`.
+    """
+
+    tq: float | None = None
+    """Time quantum on this GPU in seconds, or ``None`` for the global ``tq``."""
+
+    idle_release: float | None = None
+    """Idle release on this GPU in seconds, or ``None`` for the global value."""
+
+    mode: str | None = None
+    """Mode on this GPU (one of :data:`MODES`), or ``None`` for the global mode."""
+
+
+class GpuOverrides(Mapping[str, GpuOverride]):
+    """Read-only, hashable map from GPU key (index or UUID) to its override.
+
+    A plain ``dict`` would make the settings mutable and unhashable, and a
+    ``MappingProxyType`` is not hashable either; this small map is both immutable
+    and hashable, so the frozen settings stay usable as values.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, GpuOverride] | None = None) -> None:
+        """Copy ``items`` (default: empty)."""
+        self._items: dict[str, GpuOverride] = dict(items or {})
+
+    def __getitem__(self, key: str) -> GpuOverride:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return f"GpuOverrides({self._items!r})"
+
+
+class EffectivePolicy(NamedTuple):
+    """The scheduler settings that apply to one GPU after overrides."""
+
+    tq: float
+    """Time quantum in seconds."""
+
+    idle_release: float
+    """Idle release in seconds."""
+
+    mode: str
+    """One of :data:`MODES`."""
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """How GPU time is shared: quantum, idle release and mode (``[scheduler]``)."""
+
+    tq: float = 30.0
+    """Time quantum in seconds: how long a tenant holds a GPU exclusively while others
+    wait. Default 30. Each hand-over moves the tenant's GPU memory, so a large TQ
+    favours throughput and a small one interactivity; 5 s or less draws a warning.
+    Must be > 0."""
+
+    idle_release: float = 5.0
+    """Seconds without GPU activity after which the holder yields early, and after
+    which a waiting tenant whose turn came goes back to idle. Default 5, so an idle
+    holder does not waste a whole quantum. Must be > 0."""
+
+    mode: str = "exclusive"
+    """``"exclusive"`` always rotates bursts; ``"auto"`` only gates when the tenants'
+    footprints do not fit in the card's memory minus ``memory.reserve_mib``;
+    ``"off"`` does no gating. Default ``"exclusive"``: the safe, predictable choice."""
+
+    gpu: Mapping[str, GpuOverride] = field(default=GpuOverrides())
+    """Per-GPU overrides keyed by decimal index (``"0"``) or UUID (``"GPU-…"`` or
+    ``"MIG-…"``). Default empty: every GPU uses the global values. Any mapping given
+    is copied into an immutable :class:`GpuOverrides`."""
+
+    handover_allowance: float = 2.0
+    """Seconds budgeted for one hand-over (freeze, memory move, thaw) when bounding
+    how long a tenant can starve, so the bound stays honest when memory moves are
+    slow. Default 2. Must be > 0."""
+
+    def __post_init__(self) -> None:
+        """Freeze ``gpu`` so the settings stay immutable and hashable."""
+        if not isinstance(self.gpu, GpuOverrides):
+            object.__setattr__(self, "gpu", GpuOverrides(self.gpu))
+
+    def for_gpu(self, index: int, uuid: str) -> EffectivePolicy:
+        """Return the settings in force on one GPU.
+
+        Each field is taken from the UUID override if it sets it, else from the index
+        override, else from the global value.
+
+        Args:
+            index: The GPU's index as NVML numbers it.
+            uuid: The GPU's UUID (``"GPU-…"`` or, for a MIG instance, ``"MIG-…"``).
+
+        Returns:
+            The effective ``(tq, idle_release, mode)``.
+        """
+        tq, idle_release, mode = self.tq, self.idle_release, self.mode
+        for key in (str(index), uuid):  # later keys win
+            override = self.gpu.get(key)
+            if override is None:
+                continue
+            if override.tq is not None:
+                tq = override.tq
+            if override.idle_release is not None:
+                idle_release = override.idle_release
+            if override.mode is not None:
+                mode = override.mode
+        return EffectivePolicy(tq, idle_release, mode)
+
+
+@dataclass(frozen=True)
+class GpuSettings:
+    """Where GPU facts come from (``[gpu]`` and ``[gpu.sim]``)."""
+
+    backend: str = "nvml"
+    """``"nvml"`` reads real GPUs through the NVIDIA driver; ``"sim"`` simulates
+    ``sim_devices`` GPUs for tests and demos. Default ``"nvml"``."""
+
+    poll_interval: float = 0.5
+    """Seconds between polls of GPU activity and memory. Default 0.5: fine enough to
+    notice idleness within ``idle_release``, cheap for NVML. Range 0.05 to 60."""
+
+    sim_devices: int = 1
+    """Number of simulated GPUs (``[gpu.sim] devices``) for backend ``"sim"``.
+    Default 1. Range 1 to 64."""
+
+    sim_memory_gib: float = 80.0
+    """Memory of each simulated GPU in GiB (``[gpu.sim] memory_gib``). Default 80,
+    an H100-class card. Must be > 0."""
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """The ``kiwictl`` control socket (``[control]``)."""
+
+    socket: str = "/run/kiwi/kiwid.sock"
+    """Absolute path of the Unix control socket. Default under ``/run/kiwi``, the
+    runtime directory systemd creates. At most 107 bytes (the ``sun_path`` limit)."""
+
+    admin_group: str = "kiwi"
+    """Group whose members may send commands (drain, pause) on the socket; others may
+    only read status. Default ``"kiwi"``."""
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """Daemon lifecycle and logging (``[daemon]``)."""
+
+    state_dir: str = "/run/kiwi"
+    """Absolute path of the directory for runtime state such as which cgroups are
+    frozen. Default ``/run/kiwi``: a tmpfs cleared on boot, like the state itself."""
+
+    shutdown_timeout: float = 10.0
+    """Seconds a graceful shutdown waits for thawed tenants to settle before forcing
+    its way out. Default 10, below systemd's 90 s stop timeout. Must be > 0."""
+
+    log_level: str = "info"
+    """Least severe level logged, one of :data:`LOG_LEVELS`. Default ``"info"``."""
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """GPU memory accounting for mode ``"auto"`` (``[memory]``)."""
+
+    reserve_mib: int = 1024
+    """MiB kept free on each card when deciding in mode ``"auto"`` whether tenants
+    fit together. Default 1024, room for the CUDA context and allocator slack.
+    Must be >= 0."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The whole kiwid configuration; ``Settings()`` is the default."""
+
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    """``[scheduler]``: quantum, idle release, mode and per-GPU overrides."""
+
+    gpu: GpuSettings = field(default_factory=GpuSettings)
+    """``[gpu]``: GPU backend and polling."""
+
+    control: ControlSettings = field(default_factory=ControlSettings)
+    """``[control]``: the control socket."""
+
+    daemon: DaemonSettings = field(default_factory=DaemonSettings)
+    """``[daemon]``: state directory, shutdown and logging."""
+
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    """``[memory]``: memory reserve for mode ``"auto"``."""

@@ -1,0 +1,312 @@
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kiwid.config import (
+    ConfigError,
+    GpuOverride,
+    SchedulerSettings,
+    Settings,
+    check_config_main,
+    load_config,
+    parse_config,
+)
+
+SHIPPED = Path(__file__).resolve().parents[2] / "etc" / "kiwi.toml"
+SRC = "/etc/kiwi.toml"
+
+# TOML (table, key) -> (settings group, field), with a valid non-default value.
+KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
+    ("scheduler", "tq"): ("scheduler", "tq", "12.5", 12.5),
+    ("scheduler", "idle_release"): ("scheduler", "idle_release", "7", 7.0),
+    ("scheduler", "mode"): ("scheduler", "mode", '"auto"', "auto"),
+    ("scheduler", "handover_allowance"): ("scheduler", "handover_allowance", "3", 3.0),
+    ("gpu", "backend"): ("gpu", "backend", '"sim"', "sim"),
+    ("gpu", "poll_interval"): ("gpu", "poll_interval", "0.05", 0.05),
+    ("gpu.sim", "devices"): ("gpu", "sim_devices", "8", 8),
+    ("gpu.sim", "memory_gib"): ("gpu", "sim_memory_gib", "141", 141.0),
+    ("control", "socket"): ("control", "socket", '"/run/k.sock"', "/run/k.sock"),
+    ("control", "admin_group"): ("control", "admin_group", '"gpu-admins"', "gpu-admins"),
+    ("daemon", "state_dir"): ("daemon", "state_dir", '"/var/lib/kiwi"', "/var/lib/kiwi"),
+    ("daemon", "shutdown_timeout"): ("daemon", "shutdown_timeout", "2.5", 2.5),
+    ("daemon", "log_level"): ("daemon", "log_level", '"debug"', "debug"),
+    ("memory", "reserve_mib"): ("memory", "reserve_mib", "0", 0),
+}
+KEYS_GROUPS = [f.name for f in dataclasses.fields(Settings)]
+
+
+def errors(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, SRC)
+    assert str(info.value) == "\n".join(info.value.problems)
+    return list(info.value.problems)
+
+
+def test_defaults() -> None:
+    s = Settings()
+    assert (s.scheduler.tq, s.scheduler.idle_release, s.scheduler.mode) == (30.0, 5.0, "exclusive")
+    assert s.scheduler.handover_allowance == 2.0
+    assert dict(s.scheduler.gpu) == {}
+    assert (s.gpu.backend, s.gpu.poll_interval, s.gpu.sim_devices) == ("nvml", 0.5, 1)
+    assert s.gpu.sim_memory_gib == 80.0
+    assert (s.control.socket, s.control.admin_group) == ("/run/kiwi/kiwid.sock", "kiwi")
+    assert (s.daemon.state_dir, s.daemon.shutdown_timeout, s.daemon.log_level) == (
+        "/run/kiwi",
+        10.0,
+        "info",
+    )
+    assert s.memory.reserve_mib == 1024
+    assert parse_config("") == parse_config("", "<string>")
+    assert parse_config("").settings == s
+    assert parse_config("").source is None
+
+
+def test_settings_are_frozen_and_hashable() -> None:
+    s = parse_config('[scheduler.gpu."0"]\ntq = 10\n').settings
+    assert hash(s) == hash(dataclasses.replace(s))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.scheduler.tq = 1.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        s.scheduler.gpu["1"] = GpuOverride()  # type: ignore[index]
+    built = SchedulerSettings(gpu={"0": GpuOverride(tq=10.0)})
+    assert built == s.scheduler
+    assert hash(built) == hash(s.scheduler)
+    assert "GpuOverrides" in repr(built.gpu)
+
+
+def test_shipped_file_is_the_defaults() -> None:
+    loaded = load_config(SHIPPED)
+    assert loaded.settings == Settings()
+    assert loaded.warnings == ()
+    assert loaded.source == SHIPPED
+
+
+def test_shipped_file_shows_every_key() -> None:
+    doc = tomllib.loads(SHIPPED.read_text(encoding="utf-8"))
+    shown = {("gpu.sim", k) for k in doc["gpu"].pop("sim")}
+    shown |= {(table, key) for table, values in doc.items() for key in values}
+    assert shown == set(KEYS)
+    fields = {(g, f.name) for g in KEYS_GROUPS for f in dataclasses.fields(getattr(Settings(), g))}
+    assert fields - {("scheduler", "gpu")} == {(g, f) for g, f, _, _ in KEYS.values()}
+    assert '# [scheduler.gpu."0"]' in SHIPPED.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(("table", "key"), list(KEYS))
+def test_every_key_round_trips(table: str, key: str) -> None:
+    group, attr, literal, expected = KEYS[table, key]
+    settings = parse_config(f"[{table}]\n{key} = {literal}\n").settings
+    value = getattr(getattr(settings, group), attr)
+    assert value == expected
+    assert type(value) is type(expected)
+    assert value != getattr(getattr(Settings(), group), attr)
+
+
+@given(st.floats(min_value=0.05, max_value=60) | st.integers(min_value=1, max_value=60))
+def test_poll_interval_accepts_its_range(value: float) -> None:
+    assert parse_config(f"gpu.poll_interval = {value!r}").settings.gpu.poll_interval == value
+
+
+def test_gpu_overrides_and_precedence() -> None:
+    text = """
+        [scheduler]
+        tq = 20
+        [scheduler.gpu."1"]
+        tq = 40
+        idle_release = 9
+        [scheduler.gpu."GPU-abc"]
+        tq = 60
+        [scheduler.gpu."MIG-GPU-abc/1/0"]
+        mode = "off"
+    """
+    sched = parse_config(text).settings.scheduler
+    assert sched.gpu["1"] == GpuOverride(tq=40.0, idle_release=9.0)
+    assert sched.for_gpu(0, "GPU-zzz") == (20.0, 5.0, "exclusive")
+    assert sched.for_gpu(1, "GPU-zzz") == (40.0, 9.0, "exclusive")
+    assert sched.for_gpu(1, "GPU-abc") == (60.0, 9.0, "exclusive")  # UUID wins, per field
+    assert sched.for_gpu(0, "GPU-abc").tq == 60.0
+    assert sched.for_gpu(3, "MIG-GPU-abc/1/0") == (20.0, 5.0, "off")
+
+
+def test_unknown_keys() -> None:
+    assert errors("[scheduler]\ntqq = 1\n") == [
+        f"{SRC}: unknown key scheduler.tqq "
+        "(known keys: tq, idle_release, mode, handover_allowance, gpu)"
+    ]
+    assert errors("[sched]\n") == [
+        f"{SRC}: unknown key sched (known keys: scheduler, gpu, control, daemon, memory)"
+    ]
+    assert errors('[scheduler.gpu."0"]\nmemory = 1\n') == [
+        f'{SRC}: unknown key scheduler.gpu."0".memory (known keys: tq, idle_release, mode)'
+    ]
+    assert errors('[gpu.sim]\n"mem gib" = 1\n') == [
+        f'{SRC}: unknown key gpu.sim."mem gib" (known keys: devices, memory_gib)'
+    ]
+
+
+SECS = "must be a number of seconds > 0"
+POLL = "must be a number of seconds from 0.05 to 60"
+DEVICES = "must be an integer number of devices from 1 to 64"
+MIB = "must be an integer number of MiB >= 0"
+SOCKET = "must be an absolute path of at most 107 bytes"
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("scheduler.tq = -1", SECS),
+        ("scheduler.tq = 0", SECS),
+        ("scheduler.tq = inf", SECS),
+        ("scheduler.tq = nan", SECS),
+        ('scheduler.tq = "30"', f"{SECS}, not a string"),
+        ("scheduler.tq = true", f"{SECS}, not a boolean"),
+        ("scheduler.idle_release = [1]", f"{SECS}, not an array"),
+        ("scheduler.handover_allowance = 0.0", SECS),
+        ('scheduler.mode = "fair"', 'must be one of "exclusive", "auto", "off"'),
+        ('gpu.backend = "cuda"', 'must be one of "nvml", "sim"'),
+        ("gpu.poll_interval = 0.01", POLL),
+        ("gpu.poll_interval = 61", POLL),
+        ("gpu.sim.devices = 65", DEVICES),
+        ("gpu.sim.devices = 2.0", f"{DEVICES}, not a float"),
+        ("gpu.sim.memory_gib = 0", "must be a number of GiB > 0"),
+        ('control.socket = "kiwid.sock"', SOCKET),
+        ('control.admin_group = ""', "must be a group name"),
+        ('daemon.state_dir = "run/kiwi"', "must be an absolute path of at most 4095 bytes"),
+        ("daemon.shutdown_timeout = -5", SECS),
+        ('daemon.log_level = "INFO"', 'must be one of "debug", "info", "warning", "error"'),
+        ("memory.reserve_mib = -1", MIB),
+        ("memory.reserve_mib = 1979-05-27", f"{MIB}, not a date or time"),
+        ("scheduler = 5", "must be a table, not an integer"),
+        ("gpu.sim = true", "must be a table, not a boolean"),
+        ("scheduler.gpu = []", "must be a table, not an array"),
+        ('scheduler.gpu."0" = 30', "must be a table, not an integer"),
+    ],
+)
+def test_bad_values_name_file_key_and_value(text: str, reason: str) -> None:
+    assert errors(text) == [f"{SRC}: {text}: {reason}"]
+
+
+def test_keys_and_values_are_shown_as_toml() -> None:
+    assert errors("scheduler.gpu.0.tq = -2") == [f'{SRC}: scheduler.gpu."0".tq = -2: {SECS}']
+    assert errors("control.socket = {a = 1}") == [
+        f"{SRC}: control.socket = {{ a = 1 }}: {SOCKET}, not a table"
+    ]
+
+
+def test_long_values_are_shortened() -> None:
+    [problem] = errors(f'control.socket = "/{"x" * 200}"')
+    assert problem.startswith(f'{SRC}: control.socket = "/xxx')
+    assert "…: must be an absolute path of at most 107 bytes" in problem
+
+
+@pytest.mark.parametrize("key", ["gpu0", "01", "-1", "uuid-1", "GPU-", "", "٣"])
+def test_bad_gpu_keys(key: str) -> None:
+    assert errors(f'[scheduler.gpu."{key}"]\ntq = 10\n') == [
+        f'{SRC}: scheduler.gpu."{key}": a GPU key must be a decimal index such as "0" '
+        'or a UUID starting with "GPU-" or "MIG-"'
+    ]
+
+
+def test_all_problems_are_reported_together() -> None:
+    text = """
+        bogus = 1
+        [scheduler]
+        tq = -1
+        mode = "fast"
+        [scheduler.gpu.x]
+        [gpu]
+        backend = 3
+        [memory]
+        reserve_mib = true
+    """
+    problems = errors(text)
+    assert len(problems) == 6
+    assert all(p.startswith(f"{SRC}: ") for p in problems)
+    joined = "\n".join(problems)
+    for needle in ["bogus", "scheduler.tq = -1", "scheduler.mode", 'scheduler.gpu."x"']:
+        assert needle in joined
+    assert "gpu.backend = 3" in joined
+    assert "memory.reserve_mib = true" in joined
+
+
+def test_short_tq_warns() -> None:
+    text = 'scheduler.tq = 5\n[scheduler.gpu."GPU-a"]\ntq = 0.5\n[scheduler.gpu."1"]\ntq = 5.5\n'
+    loaded = parse_config(text, SRC)
+    tail = (
+        "a TQ of 5 s or less is discouraged: each hand-over moves the tenant's GPU memory, "
+        "so a short quantum is spent waiting for data"
+    )
+    assert loaded.warnings == (
+        f"scheduler.tq = 5: {tail}",
+        f'scheduler.gpu."GPU-a".tq = 0.5: {tail}',
+    )
+    assert loaded.source == Path(SRC)
+    assert loaded.settings.scheduler.tq == 5.0
+
+
+def test_toml_syntax_error_names_file_and_line() -> None:
+    [problem] = errors("[scheduler]\ntq = 30\ntq = = 1\n")
+    assert problem.startswith(f"{SRC}: invalid TOML: ")
+    assert "line 3" in problem
+
+
+def test_load_config_errors(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.toml"
+    with pytest.raises(ConfigError, match=rf"^{missing}: cannot read: No such file or directory$"):
+        load_config(missing)
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}: cannot read: Is a directory$"):
+        load_config(tmp_path)
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'daemon.state_dir = "/caf\xe9"\n')
+    with pytest.raises(ConfigError, match=rf"^{latin}: not UTF-8 text: .* at byte 24$"):
+        load_config(str(latin))
+
+
+def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "kiwi.toml"
+    path.write_text("[scheduler]\ntq = 2\n", encoding="utf-8")
+    assert check_config_main([str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{path}: OK\n"
+    assert err.startswith(f"warning: {path}: scheduler.tq = 2: a TQ of 5 s or less")
+    assert check_config_main([str(SHIPPED)]) == 0
+    assert capsys.readouterr() == (f"{SHIPPED}: OK\n", "")
+
+
+def test_check_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "kiwi.toml"
+    path.write_text('[scheduler]\ntq = -1\nmode = "x"\n', encoding="utf-8")
+    assert check_config_main([str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        f"{path}: scheduler.tq = -1: must be a number of seconds > 0",
+        f'{path}: scheduler.mode = "x": must be one of "exclusive", "auto", "off"',
+    ]
+
+
+def test_check_config_default_path_and_usage(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("kiwid.config.loader.DEFAULT_PATH", Path("/nonexistent/kiwi.toml"))
+    monkeypatch.setattr("sys.argv", ["kiwid", "check-config"])
+    assert check_config_main() == 1
+    assert (
+        capsys.readouterr().err
+        == "/nonexistent/kiwi.toml: cannot read: No such file or directory\n"
+    )
+    assert check_config_main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: kiwid check-config [PATH]")
+    assert check_config_main(["a.toml", "-v"]) == 2
+    assert "error: unexpected arguments: a.toml -v" in capsys.readouterr().err
+    assert check_config_main(["-v"]) == 2
+    assert check_config_main(["a.toml", "b.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kiwid check-config [PATH]\n")
+    assert err.endswith("error: unexpected arguments: a.toml b.toml\n")

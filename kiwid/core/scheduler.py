@@ -406,5 +406,3 @@ class Scheduler:
 
 def _gpu_sort_key(gpu: GpuId) -> tuple[int, str]:
     return (int(gpu), gpu) if gpu.isdigit() else (1 << 30, gpu)
-
-

@@ -42,7 +42,9 @@ steps = st.one_of(
     st.builds(TenantDetached, tenants),
     st.builds(ActivitySeen, tenants),
     st.builds(ActivitySeen, tenants),
-    st.builds(FootprintSeen, tenants, st.sampled_from(GPUS), st.integers(0, 60).map(lambda g: g * GiB)),
+    st.builds(
+        FootprintSeen, tenants, st.sampled_from(GPUS), st.integers(0, 60).map(lambda g: g * GiB)
+    ),
     st.builds(GpusConfigured, st.fixed_dictionaries({g: policies for g in GPUS})),
     st.floats(0.01, 40.0),  # time passes
 )

@@ -13,9 +13,7 @@ def test_every_listed_transition_is_allowed() -> None:
 
 
 def test_unlisted_transitions_raise_and_name_the_state() -> None:
-    unlisted = [
-        (s, t) for s in TenantState for t in Trigger if (s, t) not in TRANSITIONS
-    ]
+    unlisted = [(s, t) for s in TenantState for t in Trigger if (s, t) not in TRANSITIONS]
     assert unlisted
     for state, trigger in unlisted:
         with pytest.raises(InvalidTransition, match=state.value):

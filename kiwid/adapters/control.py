@@ -1,0 +1,456 @@
+"""The control socket: JSON lines over a Unix stream socket, server and tiny client.
+
+The daemon owns the meaning of each command (it supplies a `Handler`); this module
+owns everything a hostile or clumsy local client could do to it: framing, size
+limits, idle and slow clients, too many clients, the envelope, argument types and
+authorisation by the peer's credentials (``SO_PEERCRED``). The wire format is
+described in ``docs/control-protocol.md``. Standard library only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import socket
+import stat
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("kiwid.control")
+
+PROTOCOL_VERSION = 1
+ERROR_CODES = frozenset(
+    {"bad-request", "too-large", "unknown-command", "forbidden", "invalid-value"}
+    | {"unavailable", "internal"}
+)
+READ_COMMANDS = frozenset({"ping", "status", "tenants"})
+ADMIN_COMMANDS = frozenset({"set-tq", "set-mode", "sim-attach", "sim-detach"})
+COMMANDS = READ_COMMANDS | ADMIN_COMMANDS
+
+_ENVELOPE = ("v", "id", "cmd", "args")
+_KINDS: dict[str, tuple[type, ...]] = {"number": (int, float), "integer": (int,), "string": (str,)}
+# cmd -> {argument: kind}, "?" marking an optional one. Only types are checked here;
+# values (ranges, mode names, GPU ids) are the daemon's to judge, as invalid-value.
+_ARGS: dict[str, dict[str, str]] = {
+    **{cmd: {} for cmd in READ_COMMANDS},
+    "set-tq": {"tq": "number", "gpu": "string?"},
+    "set-mode": {"mode": "string"},
+    "sim-attach": {"pid": "integer", "gpu": "integer", "memory_bytes": "integer"}
+    | {"activity": "string"},
+    "sim-detach": {"pid": "integer"},
+}
+_CLIENT_MAX_RESPONSE = 16 * 1024 * 1024  # bytes; a status of many GPUs stays far below
+
+
+class ControlError(Exception):
+    """A refused request: the handler raises it, `request` re-raises the daemon's.
+
+    Attributes:
+        code: One of `ERROR_CODES` (a newer daemon may send others).
+        message: One readable sentence for a person.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class DaemonUnreachable(Exception):
+    """No answer from kiwid: socket missing, refused, not permitted or timed out."""
+
+
+class SocketInUse(Exception):
+    """Another process answers on the socket path, or the path is not a socket."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is on the other end of a connection, as the kernel saw it at connect.
+
+    Attributes:
+        pid: Process id in kiwid's pid namespace (0 when not visible there).
+        uid: Effective user id.
+        gid: Effective group id.
+        groups: Supplementary groups plus ``gid`` (only ``gid`` if unreadable).
+    """
+
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset[int]
+
+
+Handler = Callable[[str, dict[str, Any], Peer], Awaitable[dict[str, Any]]]
+
+
+def peer_of(sock: Any) -> Peer:
+    """Read the peer's credentials from a connected Unix socket.
+
+    Args:
+        sock: A connected ``AF_UNIX`` socket (or asyncio's ``TransportSocket``).
+
+    Returns:
+        The peer, with supplementary groups from ``/proc/<pid>/status``.
+    """
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return Peer(pid, uid, gid, _groups_of(pid, uid, gid))
+
+
+def _groups_of(pid: int, uid: int, gid: int) -> frozenset[int]:
+    """Supplementary groups of ``pid``, trusted only if its ids still match."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text(encoding="ascii", errors="replace")
+        fields = {k: v.split() for k, _, v in (ln.partition(":") for ln in text.splitlines())}
+        same = int(fields["Uid"][1]) == uid and int(fields["Gid"][1]) == gid
+        groups = {int(g) for g in fields.get("Groups", [])}
+    except (OSError, KeyError, IndexError, ValueError):
+        return frozenset({gid})
+    # A different process may have taken the pid since connect: ignore its groups.
+    return frozenset(groups | {gid}) if same else frozenset({gid})
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+def _decode(line: bytes) -> Any:
+    """Parse one request line strictly (UTF-8, no NaN/Infinity, finite numbers)."""
+    return json.loads(
+        line.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float
+    )
+
+
+def _encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, ensure_ascii=False, allow_nan=False).encode("utf-8") + b"\n"
+
+
+def _error(rid: Any, code: str, message: str) -> dict[str, Any]:
+    error = {"code": code, "message": message}
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": error}
+
+
+def _check_envelope(req: Any) -> tuple[str, dict[str, Any]]:
+    """Validate a parsed request; return ``(cmd, args)`` or raise `ControlError`."""
+    if not isinstance(req, dict):
+        raise ControlError("bad-request", "a request must be a JSON object")
+    extra = sorted(set(req) - set(_ENVELOPE))
+    if extra:
+        raise ControlError("bad-request", f"unknown request field(s) {', '.join(extra)}")
+    v = req.get("v")
+    if isinstance(v, bool) or v != PROTOCOL_VERSION:
+        raise ControlError(
+            "bad-request", f"unsupported protocol version {v!r}; kiwid speaks version 1"
+        )
+    cmd = req.get("cmd")
+    if not isinstance(cmd, str):
+        raise ControlError("bad-request", "field 'cmd' must be a command name (string)")
+    if cmd not in COMMANDS:
+        known = ", ".join(sorted(COMMANDS))
+        raise ControlError("unknown-command", f"unknown command {cmd!r}; known: {known}")
+    args = req.get("args", {})
+    if not isinstance(args, dict):
+        raise ControlError("bad-request", "field 'args' must be a JSON object")
+    return cmd, args
+
+
+def _check_args(cmd: str, args: dict[str, Any]) -> None:
+    spec = _ARGS[cmd]
+    extra = sorted(set(args) - set(spec))
+    if extra:
+        raise ControlError("bad-request", f"{cmd} takes no argument(s) {', '.join(extra)}")
+    for name, spec_kind in spec.items():
+        kind, value = spec_kind.rstrip("?"), args.get(name)
+        if name not in args and not spec_kind.endswith("?"):
+            raise ControlError("bad-request", f"{cmd} needs argument {name!r} ({kind})")
+        if name in args and (isinstance(value, bool) or not isinstance(value, _KINDS[kind])):
+            raise ControlError("bad-request", f"{cmd} argument {name!r} must be a {kind}")
+
+
+class ControlServer:
+    """Asyncio server for the control socket; one task per client, answers in order.
+
+    Args:
+        path: Socket path; its directory is created (0755) if missing.
+        handler: The daemon's ``(cmd, args, peer) -> result``, called only for valid,
+            authorised requests; it raises `ControlError` to refuse.
+        admin_gid: Group allowed to use `ADMIN_COMMANDS` besides root; ``None``: root only.
+        admin_group_name: That group's name, for error messages.
+        max_line: Longest request line accepted, bytes without the newline.
+        idle_timeout_s: Seconds a client may take to send a whole line, or to read
+            an answer, before it is disconnected.
+        max_clients: Connections served at once; further ones get ``unavailable``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        handler: Handler,
+        admin_gid: int | None,
+        admin_group_name: str = "kiwi",
+        *,
+        max_line: int = 65536,
+        idle_timeout_s: float = 30.0,
+        max_clients: int = 256,
+    ) -> None:
+        self.path = Path(path)
+        self._handler = handler
+        self._admin_gid = admin_gid
+        self._admin_group_name = admin_group_name
+        self._max_line = max_line
+        self._idle_timeout_s = idle_timeout_s
+        self._max_clients = max_clients
+        self._server: asyncio.AbstractServer | None = None
+        self._inode: tuple[int, int] | None = None
+        self._clients: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+
+    async def start(self) -> None:
+        """Bind the socket (mode 0666; authorisation is per request) and start serving.
+
+        Raises:
+            SocketInUse: Another process answers on ``path``, or it is not a socket.
+            OSError: The directory cannot be created or the socket bound.
+        """
+        parent = self.path.parent
+        if not parent.exists():
+            parent.mkdir(mode=0o755, parents=True)
+            parent.chmod(0o755)
+        await self._remove_stale()
+        self._server = await asyncio.start_unix_server(
+            self._serve, path=str(self.path), backlog=max(self._max_clients, 16)
+        )
+        self.path.chmod(0o666)
+        st = self.path.stat()
+        self._inode = (st.st_dev, st.st_ino)
+        logger.info("control socket listening on %s", self.path)
+
+    async def _remove_stale(self) -> None:
+        try:
+            mode = self.path.lstat().st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise SocketInUse(f"{self.path} exists and is not a socket; refusing to remove it")
+        try:
+            async with asyncio.timeout(2.0):
+                _, writer = await asyncio.open_unix_connection(str(self.path))
+        except ConnectionRefusedError:
+            logger.info("removing stale control socket %s", self.path)
+            self.path.unlink(missing_ok=True)
+            return
+        except TimeoutError:
+            pass  # something holds the socket but is too busy to accept: treat as live
+        else:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        raise SocketInUse(
+            f"another kiwid is already serving {self.path}; stop it first "
+            "(systemctl stop kiwid) or choose another socket path"
+        )
+
+    async def close(self) -> None:
+        """Stop listening, disconnect every client and remove our socket file."""
+        if self._server is not None:
+            self._server.close()
+        clients = list(self._clients.items())
+        for task, writer in clients:
+            writer.transport.abort()  # do not wait for slow readers to take their answers
+            task.cancel()
+        await asyncio.gather(*(task for task, _ in clients), return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            st = self.path.stat()
+            if (st.st_dev, st.st_ino) == self._inode:  # not a successor's socket
+                self.path.unlink()
+        self._inode = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._clients) >= self._max_clients:
+            logger.warning("refusing a control client: %d already connected", len(self._clients))
+            msg = f"kiwid already serves {self._max_clients} control clients; try again later"
+            writer.write(_encode(_error(None, "unavailable", msg)))
+            writer.close()
+            return
+        task = asyncio.current_task()
+        assert task is not None  # always: the stream protocol runs us in a task
+        self._clients[task] = writer
+        peer = None
+        try:
+            peer = peer_of(writer.get_extra_info("socket"))
+            await self._session(reader, writer, peer)
+        except ConnectionError:
+            writer.transport.abort()  # it went away mid-answer
+        except TimeoutError:  # only writes time out here: it does not read its answers
+            who = f"uid {peer.uid} pid {peer.pid}" if peer else "?"
+            logger.warning(
+                "dropping control client %s: answers unread for %gs", who, self._idle_timeout_s
+            )
+            writer.transport.abort()
+        except Exception:
+            logger.exception("control connection failed")
+            writer.transport.abort()
+        finally:
+            self._clients.pop(task, None)
+            writer.close()
+            try:
+                async with asyncio.timeout(self._idle_timeout_s):
+                    await writer.wait_closed()
+            except (OSError, TimeoutError):
+                writer.transport.abort()
+
+    async def _session(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
+    ) -> None:
+        buf = bytearray()
+        loop = asyncio.get_running_loop()
+        while True:
+            deadline = loop.time() + self._idle_timeout_s  # for the whole line: no slowloris
+            while (end := buf.find(b"\n")) < 0 and len(buf) <= self._max_line:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await reader.read(65536)
+                except TimeoutError:
+                    if buf.strip():
+                        msg = f"no complete request line within {self._idle_timeout_s:g} s"
+                        writer.write(_encode(_error(None, "bad-request", msg)))
+                    return
+                if not chunk:  # EOF: a last line without newline still counts
+                    if buf.strip() and len(buf) <= self._max_line:
+                        await self._answer(writer, bytes(buf), peer)
+                    return
+                buf += chunk
+            if end < 0 or end > self._max_line:
+                msg = f"request line longer than {self._max_line} bytes; closing the connection"
+                await self._send(writer, _error(None, "too-large", msg))
+                return
+            line = bytes(buf[:end])
+            del buf[: end + 1]
+            if line.strip():
+                await self._answer(writer, line, peer)
+
+    async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+        writer.write(_encode(message))
+        async with asyncio.timeout(self._idle_timeout_s):
+            await writer.drain()
+
+    async def _answer(self, writer: asyncio.StreamWriter, line: bytes, peer: Peer) -> None:
+        rid: Any = None
+        try:
+            try:
+                req = _decode(line)
+            except (ValueError, RecursionError) as exc:
+                raise ControlError("bad-request", f"request is not valid JSON: {exc}") from None
+            if isinstance(req, dict):
+                rid = req.get("id")
+            cmd, args = _check_envelope(req)
+            self._authorise(cmd, peer)
+            _check_args(cmd, args)
+            if cmd in ADMIN_COMMANDS:
+                logger.info("uid %d (pid %d): %s %s", peer.uid, peer.pid, cmd, args)
+            response = await self._call(cmd, args, peer, rid)
+        except ControlError as exc:
+            response = _error(rid, exc.code, exc.message)
+        await self._send(writer, response)
+
+    def _authorise(self, cmd: str, peer: Peer) -> None:
+        if cmd not in ADMIN_COMMANDS or peer.uid == 0:
+            return
+        if self._admin_gid is not None and self._admin_gid in peer.groups | {peer.gid}:
+            return
+        logger.info("refused %s from uid %d (pid %d)", cmd, peer.uid, peer.pid)
+        if self._admin_gid is None:
+            need = "root (no admin group is configured)"
+        else:
+            need = f"root or membership of group {self._admin_group_name!r}"
+        raise ControlError(
+            "forbidden", f"changing the scheduler needs {need} (you are uid {peer.uid})"
+        )
+
+    async def _call(self, cmd: str, args: dict[str, Any], peer: Peer, rid: Any) -> dict[str, Any]:
+        try:
+            result = await self._handler(cmd, args, peer)
+            response = {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": result}
+            _encode(response)  # fail here, as internal, if the result is not JSON
+        except ControlError:
+            raise
+        except Exception:
+            logger.exception("control command %s %s failed", cmd, args)
+            msg = f"kiwid failed while handling {cmd!r}; see its log (journalctl -u kiwid)"
+            raise ControlError("internal", msg) from None
+        return response
+
+
+def request(
+    path: str | Path, cmd: str, args: dict[str, Any] | None = None, timeout_s: float = 5.0
+) -> dict[str, Any]:
+    """Send one command to kiwid and wait for its answer (blocking).
+
+    Args:
+        path: The control socket.
+        cmd: Command name, e.g. ``"status"``.
+        args: Its arguments (default none).
+        timeout_s: Limit for the whole exchange, seconds.
+
+    Returns:
+        The ``result`` object of a successful answer.
+
+    Raises:
+        ControlError: kiwid refused the request; ``code`` says why.
+        DaemonUnreachable: No answer; the message names the socket and a likely cause.
+    """
+    payload = _encode({"v": PROTOCOL_VERSION, "id": 1, "cmd": cmd, "args": args or {}})
+    hint = "is kiwid running? (systemctl status kiwid)"
+    deadline = time.monotonic() + timeout_s
+    data = bytearray()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(str(path))
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(payload)  # kiwid may have refused us already: read why
+            while b"\n" not in data and len(data) < _CLIENT_MAX_RESPONSE:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError as exc:
+        why = {
+            FileNotFoundError: f"control socket {path} does not exist; {hint}",
+            ConnectionRefusedError: f"nothing listens on {path} (stale socket); {hint}",
+            PermissionError: f"permission denied on {path}; check its and its directory's modes",
+            TimeoutError: f"kiwid did not answer on {path} within {timeout_s:g} s; is it hung? "
+            "(journalctl -u kiwid)",
+        }.get(type(exc), f"cannot talk to kiwid on {path}: {exc.strerror}; {hint}")
+        raise DaemonUnreachable(why) from None
+    line, newline, _ = bytes(data).partition(b"\n")
+    if not newline:
+        raise DaemonUnreachable(f"kiwid closed {path} without answering; see its log")
+    try:
+        reply = _decode(line)
+        if not reply["ok"]:
+            raise ControlError(str(reply["error"]["code"]), str(reply["error"]["message"]))
+        result = reply["result"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ControlError("internal", f"kiwid sent an unreadable answer: {exc}") from None
+    if not isinstance(result, dict):
+        raise ControlError("internal", "kiwid sent a result that is not an object")
+    return result

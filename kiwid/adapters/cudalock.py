@@ -1,0 +1,247 @@
+"""Gate a process's CUDA calls with the driver's checkpoint lock (ctypes, stdlib only).
+
+``cuCheckpointProcessLock(pid, args)`` (libcuda, driver r550 and newer) blocks
+every further CUDA call of another process until ``cuCheckpointProcessUnlock``;
+the process's CPU work goes on. A lock outlives the process that took it, so
+kiwid must unlock what it locked, also after a crash (see DESIGN.md).
+
+Why ctypes rather than NVIDIA's ``cuda-bindings`` package, which wraps the same
+functions: kiwid must import and :func:`probe` cleanly on machines without a GPU
+or driver (CI, the simulated backend), and should add no heavy dependency for
+four C calls. ``cuda-bindings`` is a large compiled wheel tied to a CUDA major
+version; ctypes is in the standard library, loads ``libcuda.so.1`` only when
+asked, and lets a missing library or symbol become a plain "unavailable" answer.
+
+The C declarations used (``cuda.h``)::
+
+    CUresult cuInit(unsigned int flags);
+    CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args);
+    CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args);
+    CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state);
+    CUresult cuGetErrorName(CUresult error, const char **name);
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+from dataclasses import dataclass
+
+__all__ = [
+    "CudaLock",
+    "CudaLockError",
+    "CudaLockSupport",
+    "CudaLockUnavailable",
+    "ProcessState",
+    "probe",
+]
+
+LIBRARY = "libcuda.so.1"
+_SYMBOLS = (
+    "cuInit",
+    "cuCheckpointProcessLock",
+    "cuCheckpointProcessUnlock",
+    "cuCheckpointProcessGetState",
+)
+# Names of the CUresult codes these calls return, for drivers without cuGetErrorName.
+_NAMES = {
+    0: "CUDA_SUCCESS",
+    1: "CUDA_ERROR_INVALID_VALUE",
+    3: "CUDA_ERROR_NOT_INITIALIZED",
+    4: "CUDA_ERROR_DEINITIALIZED",
+    100: "CUDA_ERROR_NO_DEVICE",
+    401: "CUDA_ERROR_ILLEGAL_STATE",
+    600: "CUDA_ERROR_NOT_READY",
+    801: "CUDA_ERROR_NOT_SUPPORTED",
+    909: "CUDA_ERROR_TIMEOUT",
+    999: "CUDA_ERROR_UNKNOWN",
+}
+
+
+class ProcessState(enum.IntEnum):
+    """``CUprocessState``: where a process stands in the checkpoint life cycle."""
+
+    RUNNING = 0
+    LOCKED = 1
+    CHECKPOINTED = 2
+    FAILED = 3
+
+
+class CudaLockError(Exception):
+    """A driver call failed.
+
+    Attributes:
+        code: The ``CUresult`` code (-1 when the library itself is unusable).
+        name: Its name, e.g. ``CUDA_ERROR_ILLEGAL_STATE``.
+    """
+
+    def __init__(self, code: int, name: str, detail: str = "") -> None:
+        super().__init__(f"{name} ({code}){': ' + detail if detail else ''}")
+        self.code = code
+        self.name = name
+
+
+class CudaLockUnavailable(CudaLockError):
+    """The CUDA lock cannot be used on this machine (no libcuda, or too old a driver).
+
+    Attributes:
+        reason: Why, for the operator.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(-1, "CUDA_LOCK_UNAVAILABLE", reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class CudaLockSupport:
+    """Whether the CUDA lock can be used here.
+
+    Attributes:
+        available: ``True`` if libcuda loads, has the symbols and ``cuInit`` works.
+        reason: Why not, or what was found.
+    """
+
+    available: bool
+    reason: str
+
+
+class _LockArgs(ctypes.Structure):
+    _fields_ = (
+        ("timeoutMs", ctypes.c_uint),
+        ("reserved0", ctypes.c_uint),
+        ("reserved1", ctypes.c_uint64 * 7),
+    )
+
+
+class _UnlockArgs(ctypes.Structure):
+    _fields_ = (("reserved", ctypes.c_uint64 * 8),)
+
+
+def _error_name(lib: ctypes.CDLL, code: int) -> str:
+    name = ctypes.c_char_p()
+    get_name = getattr(lib, "cuGetErrorName", None)
+    if get_name is not None and get_name(code, ctypes.byref(name)) == 0 and name.value:
+        return name.value.decode(errors="replace")
+    return _NAMES.get(code, "CUDA_ERROR")
+
+
+def _load(library: str) -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL(library)
+    except OSError as exc:
+        raise CudaLockUnavailable(
+            f"{library} cannot be loaded ({exc}); is the NVIDIA driver installed?"
+        ) from exc
+    missing = [symbol for symbol in _SYMBOLS if not hasattr(lib, symbol)]
+    if missing:
+        raise CudaLockUnavailable(
+            f"{library} lacks {', '.join(missing)}; the CUDA lock needs driver r550 or newer"
+        )
+    return lib
+
+
+class CudaLock:
+    """Lock, unlock and query other processes' CUDA state through libcuda.
+
+    ``cuInit(0)`` runs once, lazily, under a lock, before the first call.
+    """
+
+    def __init__(self, library: str = LIBRARY) -> None:
+        """Load the driver library.
+
+        Args:
+            library: The library to load.
+
+        Raises:
+            CudaLockUnavailable: The library or one of its symbols is missing.
+        """
+        self._lib = _load(library)
+        self._init_lock = threading.Lock()
+        self._initialised = False
+
+    def init(self) -> None:
+        """Call ``cuInit(0)`` unless done already; the other methods do it themselves.
+
+        Raises:
+            CudaLockError: ``cuInit`` failed, e.g. ``CUDA_ERROR_NO_DEVICE``.
+        """
+        with self._init_lock:
+            if not self._initialised:
+                self._check("cuInit", self._lib.cuInit(0))
+                self._initialised = True
+
+    def _call(self, function: str, *args: object) -> None:
+        self.init()
+        self._check(function, getattr(self._lib, function)(*args))
+
+    def _check(self, function: str, code: int) -> None:
+        if code != 0:
+            raise CudaLockError(code, _error_name(self._lib, code), function)
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        """Block the CUDA calls of ``pid`` once its in-flight work has finished.
+
+        Args:
+            pid: The CUDA process to lock.
+            timeout_ms: How long the driver may try, in milliseconds; 0 waits forever.
+
+        Raises:
+            ValueError: ``timeout_ms`` is negative.
+            CudaLockError: The driver refused, e.g. ``CUDA_ERROR_ILLEGAL_STATE`` when
+                the process is not RUNNING, or a timeout.
+        """
+        if timeout_ms < 0:
+            raise ValueError(f"timeout_ms must be >= 0, not {timeout_ms}")
+        args = _LockArgs(timeoutMs=timeout_ms)
+        self._call("cuCheckpointProcessLock", ctypes.c_int(pid), ctypes.byref(args))
+
+    def unlock(self, pid: int) -> None:
+        """Let the CUDA calls of ``pid`` go on.
+
+        Args:
+            pid: A LOCKED CUDA process.
+
+        Raises:
+            CudaLockError: The driver refused (e.g. the process is not LOCKED).
+        """
+        args = _UnlockArgs()
+        self._call("cuCheckpointProcessUnlock", ctypes.c_int(pid), ctypes.byref(args))
+
+    def state(self, pid: int) -> ProcessState:
+        """Return the checkpoint state of ``pid``.
+
+        Args:
+            pid: A CUDA process.
+
+        Returns:
+            Its state.
+
+        Raises:
+            CudaLockError: The driver refused (e.g. ``pid`` is no CUDA process).
+        """
+        value = ctypes.c_int(-1)
+        self._call("cuCheckpointProcessGetState", ctypes.c_int(pid), ctypes.byref(value))
+        try:
+            return ProcessState(value.value)
+        except ValueError as exc:
+            raise CudaLockError(-1, "UNKNOWN_PROCESS_STATE", f"state {value.value}") from exc
+
+
+def probe(library: str = LIBRARY) -> CudaLockSupport:
+    """Say whether the CUDA lock can be used here; never raises.
+
+    Args:
+        library: The library to load.
+
+    Returns:
+        Availability and its reason.
+    """
+    try:
+        CudaLock(library).init()
+    except CudaLockUnavailable as exc:
+        return CudaLockSupport(False, exc.reason)
+    except CudaLockError as exc:
+        return CudaLockSupport(False, f"cuInit failed: {exc}")
+    return CudaLockSupport(True, f"{library} has the checkpoint lock and cuInit succeeded")

@@ -1,0 +1,328 @@
+"""A simulated GPU backend driven by real processes (stdlib only; reads ``/proc``).
+
+It stands in for NVML on machines without a GPU. Real PIDs are *attached* to a
+simulated GPU with a memory footprint and an activity mode:
+
+* ``"cpu"``: the process counts as bursting when it consumed CPU time (utime +
+  stime of the process, not of its children) in the query window. A busy
+  process is bursting, a sleeping one is idle, and a process frozen by the
+  cgroup freezer has no samples, exactly like NVML.
+* ``"active"``: always bursting, unless its cgroup is frozen (NVML shows no
+  samples for a frozen process either).
+* ``"idle"``: never bursting.
+
+A process that exits (or whose PID is reused) drops out automatically.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiwid.adapters.gpu import DeviceInfo, GpuBackendError, GpuLost, GpuProcess
+
+__all__ = ["ACTIVITIES", "SimAttachment", "SimBackend"]
+
+GIB = 1024**3
+ACTIVITIES = frozenset({"cpu", "active", "idle"})
+"""The activity modes :meth:`SimBackend.attach` accepts."""
+
+_PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class SimAttachment:
+    """A process attached to a simulated GPU, as :meth:`SimBackend.attached` reports it.
+
+    Attributes:
+        pid: Host PID.
+        index: The simulated GPU index.
+        used_memory_bytes: The simulated device memory the process uses, in bytes.
+        activity: ``"cpu"``, ``"active"`` or ``"idle"``.
+    """
+
+    pid: int
+    index: int
+    used_memory_bytes: int
+    activity: str
+
+
+@dataclass
+class _Entry:
+    """Mutable bookkeeping for one attachment."""
+
+    used_memory_bytes: int
+    activity: str
+    start_ticks: int  # /proc/PID/stat starttime: tells a reused PID apart
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (clock s, cpu ticks)
+
+
+class SimBackend:
+    """GPU backend that simulates ``devices`` GPUs of ``memory_bytes`` each.
+
+    Thread-safe: one lock guards all state, so :meth:`attach` may be called from
+    the control socket's thread while the poller queries.
+
+    Args:
+        devices: How many simulated GPUs (indices ``0 .. devices - 1``).
+        memory_bytes: Memory of each simulated GPU in bytes.
+        clock: Monotonic seconds; timestamps the CPU-time samples.
+
+    Raises:
+        ValueError: ``devices`` or ``memory_bytes`` is negative.
+    """
+
+    name = "sim"
+
+    def __init__(
+        self,
+        devices: int = 1,
+        memory_bytes: int = 80 * GIB,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if devices < 0 or memory_bytes < 0:
+            raise ValueError("devices and memory_bytes must not be negative")
+        self._devices = tuple(
+            DeviceInfo(i, f"GPU-sim-{i:012d}", "Kiwi simulated GPU", memory_bytes)
+            for i in range(devices)
+        )
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[int, int], _Entry] = {}  # (pid, index) -> entry
+        self._lost: set[int] = set()
+
+    def devices(self) -> Sequence[DeviceInfo]:
+        """List the simulated GPUs that are not lost.
+
+        Returns:
+            The GPUs, ordered by index.
+        """
+        with self._lock:
+            return [d for d in self._devices if d.index not in self._lost]
+
+    def attach(self, pid: int, index: int, used_memory_bytes: int, activity: str = "cpu") -> None:
+        """Attach a real process to a simulated GPU (again: update its footprint and mode).
+
+        Args:
+            pid: Host PID of a running process.
+            index: The simulated GPU index.
+            used_memory_bytes: Simulated device memory the process uses, in bytes.
+            activity: ``"cpu"``, ``"active"`` or ``"idle"`` (see the module docstring).
+
+        Raises:
+            ValueError: Unknown index, no such (live) process, negative or non-integer
+                memory, or an unknown activity.
+        """
+        self._check_index(index)
+        if type(used_memory_bytes) is not int or used_memory_bytes < 0:
+            raise ValueError(f"used_memory_bytes must be an int >= 0, got {used_memory_bytes!r}")
+        _check_activity(activity)
+        stat = _read_stat(pid) if type(pid) is int and pid > 0 else None
+        if stat is None:
+            raise ValueError(f"no running process with pid {pid!r}")
+        entry = _Entry(used_memory_bytes, activity, stat[1], [(self._clock(), stat[0])])
+        with self._lock:
+            self._entries[(pid, index)] = entry
+
+    def detach(self, pid: int) -> bool:
+        """Detach a process from every simulated GPU.
+
+        Args:
+            pid: Host PID.
+
+        Returns:
+            Whether the process was attached.
+        """
+        with self._lock:
+            keys = [key for key in self._entries if key[0] == pid]
+            for key in keys:
+                del self._entries[key]
+            return bool(keys)
+
+    def set_activity(self, pid: int, activity: str) -> None:
+        """Change the activity mode of an attached process on every GPU it is on.
+
+        Args:
+            pid: Host PID.
+            activity: ``"cpu"``, ``"active"`` or ``"idle"``.
+
+        Raises:
+            ValueError: Unknown activity, or the process is not attached.
+        """
+        _check_activity(activity)
+        stat = _read_stat(pid)
+        now = self._clock()
+        with self._lock:
+            entries = [entry for key, entry in self._entries.items() if key[0] == pid]
+            if not entries:
+                raise ValueError(f"pid {pid} is not attached")
+            for entry in entries:
+                entry.activity = activity
+                entry.samples = [] if stat is None else [(now, stat[0])]
+
+    def attached(self) -> list[SimAttachment]:
+        """List the live attachments, ordered by GPU index then PID.
+
+        Returns:
+            One record per (process, GPU) attachment.
+        """
+        with self._lock:
+            self._prune()
+            return [
+                SimAttachment(pid, index, entry.used_memory_bytes, entry.activity)
+                for (pid, index), entry in sorted(self._entries.items(), key=lambda kv: kv[0][::-1])
+            ]
+
+    def lose(self, index: int) -> None:
+        """Make a simulated GPU fall off the bus: later queries raise :class:`GpuLost`.
+
+        Args:
+            index: The simulated GPU index.
+
+        Raises:
+            ValueError: Unknown index.
+        """
+        self._check_index(index)
+        with self._lock:
+            self._lost.add(index)
+
+    def processes(self, index: int) -> Sequence[GpuProcess]:
+        """List the live processes attached to a simulated GPU.
+
+        Args:
+            index: The simulated GPU index.
+
+        Returns:
+            One entry per process, ordered by PID.
+
+        Raises:
+            GpuLost: The GPU was marked lost with :meth:`lose`.
+            GpuBackendError: Unknown index.
+        """
+        with self._lock:
+            self._check_query(index)
+            self._prune()
+            return [
+                GpuProcess(pid, entry.used_memory_bytes)
+                for (pid, i), entry in sorted(self._entries.items())
+                if i == index
+            ]
+
+    def active_pids(self, index: int, window_s: float) -> frozenset[int]:
+        """Return the attached PIDs that are bursting on a simulated GPU.
+
+        In ``"cpu"`` mode the CPU time now is compared with the oldest sample taken
+        within the last ``window_s`` seconds or, when there is none, the newest older
+        sample: with one query per window that is "since the previous query".
+
+        Args:
+            index: The simulated GPU index.
+            window_s: Look-back window in seconds.
+
+        Returns:
+            The bursting PIDs.
+
+        Raises:
+            GpuLost: The GPU was marked lost with :meth:`lose`.
+            GpuBackendError: Unknown index.
+        """
+        with self._lock:
+            self._check_query(index)
+            self._prune()
+            now = self._clock()
+            active: set[int] = set()
+            for (pid, i), entry in self._entries.items():
+                if i != index or entry.activity == "idle":
+                    continue
+                if entry.activity == "active":
+                    if not _frozen(pid):
+                        active.add(pid)
+                    continue
+                stat = _read_stat(pid)
+                if stat is None:
+                    continue
+                samples = entry.samples
+                recent = [k for k, (t, _) in enumerate(samples) if t >= now - window_s]
+                base = recent[0] if recent else len(samples) - 1
+                if base >= 0 and stat[0] > samples[base][1]:
+                    active.add(pid)
+                entry.samples = [*samples[max(base, 0) :], (now, stat[0])]
+            return frozenset(active)
+
+    def close(self) -> None:
+        """Forget every attachment."""
+        with self._lock:
+            self._entries.clear()
+
+    def _check_index(self, index: int) -> None:
+        """Raise ``ValueError`` unless ``index`` names a simulated GPU."""
+        if type(index) is not int or not 0 <= index < len(self._devices):
+            raise ValueError(f"no simulated GPU with index {index!r}")
+
+    def _check_query(self, index: int) -> None:
+        """Raise the errors NVML would for a query on ``index`` (lock held)."""
+        if type(index) is not int or not 0 <= index < len(self._devices):
+            raise GpuBackendError(f"no simulated GPU with index {index!r}")
+        if index in self._lost:
+            raise GpuLost(index, "simulated loss")
+
+    def _prune(self) -> None:
+        """Drop attachments whose process exited or whose PID was reused (lock held)."""
+        for key, entry in list(self._entries.items()):
+            stat = _read_stat(key[0])
+            if stat is None or stat[1] != entry.start_ticks:
+                del self._entries[key]
+
+
+def _check_activity(activity: str) -> None:
+    """Raise ``ValueError`` unless ``activity`` is a known mode."""
+    if activity not in ACTIVITIES:
+        raise ValueError(f"activity must be one of {sorted(ACTIVITIES)}, got {activity!r}")
+
+
+def _read_stat(pid: int) -> tuple[int, int] | None:
+    """Return ``(utime + stime, starttime)`` in clock ticks, or ``None`` if not alive.
+
+    A zombie (exited, not yet reaped) counts as not alive.
+    """
+    try:
+        text = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[11]) + int(fields[12]), int(fields[19])
+
+
+def _frozen(pid: int) -> bool:
+    """Whether the cgroup v2 or v1 freezer has frozen ``pid``'s cgroup."""
+    try:
+        lines = (_PROC / str(pid) / "cgroup").read_text().splitlines()
+        mounts = (_PROC / "self" / "mountinfo").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        for mount in mounts:
+            left, _, right = mount.partition(" - ")
+            fstype, _, options = right.split(" ", 2)
+            mount_point = left.split(" ")[4]
+            if hierarchy == "0" and fstype == "cgroup2":
+                state, frozen = "cgroup.events", "frozen 1"
+            elif (
+                fstype == "cgroup" and "freezer" in controllers.split(",") and "freezer" in options
+            ):
+                state, frozen = "freezer.state", "FROZEN"
+            else:
+                continue
+            try:
+                text = Path(mount_point + path.rstrip("/"), state).read_text()
+            except OSError:
+                continue
+            if frozen in text.splitlines():
+                return True
+    return False

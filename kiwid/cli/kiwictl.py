@@ -1,0 +1,303 @@
+"""``kiwictl``: change and inspect a running kiwid over its control socket."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kiwid.adapters.control import ControlError, DaemonUnreachable, request
+
+DEFAULT_SOCKET = "/run/kiwi/kiwid.sock"
+EXIT_OK = 0
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_FORBIDDEN = 4
+
+_DESCRIPTION = """\
+Change and inspect the Kiwi GPU scheduler (kiwid) on this machine.
+
+Kiwi gives each container exclusive use of a GPU for TQ seconds at a time and
+rotates round-robin between those that want it. Runtime changes made here last
+until kiwid reloads or restarts; /etc/kiwi.toml is the persistent setting."""
+
+_EPILOG = """\
+examples:
+  kiwictl -T 20               set the time quantum of every GPU to 20 seconds
+  kiwictl -T 60 --gpu 1       only GPU 1 (an index or a UUID)
+  kiwictl -S off              stop gating: the driver time-slices the GPUs
+  kiwictl -S on               back to the configured mode
+  kiwictl status              who holds each GPU, who waits and since when
+  kiwictl status --json       the same, as stable JSON for scripts
+  kiwictl tenants             every process or container kiwid knows
+
+Changing the scheduler (-T, -S) needs root or membership of the admin group
+(admin_group in /etc/kiwi.toml, default "kiwi"); status and tenants are open
+to every local user.
+
+exit status:
+  0  success
+  1  the request was invalid (refused by kiwictl or by kiwid)
+  2  usage error
+  3  kiwid is unreachable (not running, or no access to the socket)
+  4  permission denied"""
+
+
+def _add_socket(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=default,
+        help=f"kiwid's control socket (default: $KIWI_SOCKET or {DEFAULT_SOCKET})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the ``kiwictl`` argument parser.
+
+    Returns:
+        The parser; ``command`` is ``None`` unless ``status`` or ``tenants`` is given.
+    """
+    parser = argparse.ArgumentParser(
+        prog="kiwictl",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_socket(parser, os.environ.get("KIWI_SOCKET") or DEFAULT_SOCKET)
+    parser.add_argument(
+        "-T",
+        "--tq",
+        metavar="SECONDS",
+        help="set the time quantum: how long a tenant keeps a GPU while others wait",
+    )
+    parser.add_argument("--gpu", metavar="ID", help="with -T: only this GPU (index or UUID)")
+    parser.add_argument(
+        "-S",
+        "--scheduler",
+        choices=["on", "off"],
+        help="off: no gating, the driver time-slices; on: back to the configured mode",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, text in (
+        ("status", "show who holds each GPU, who waits, and the settings in force"),
+        ("tenants", "list the tenants (processes or containers) kiwid knows"),
+    ):
+        cmd = sub.add_parser(name, help=text, description=text)
+        _add_socket(cmd, argparse.SUPPRESS)  # accepted after the command too
+        cmd.add_argument("--json", action="store_true", help="print the daemon's JSON as is")
+    return parser
+
+
+def format_number(value: float) -> str:
+    """Format seconds without a needless ``.0`` (20.0 → ``20``, 2.5 → ``2.5``).
+
+    Args:
+        value: A finite number.
+
+    Returns:
+        Its shortest readable form.
+    """
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def parse_tq(text: str) -> float:
+    """Check a TQ given on the command line.
+
+    Args:
+        text: What the user typed after ``-T``.
+
+    Returns:
+        The TQ in seconds.
+
+    Raises:
+        ValueError: Not a finite number greater than zero; the message says so.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"TQ must be a number of seconds, not {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"TQ must be a finite number of seconds greater than 0, not {text!r}")
+    return value
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError  # pragma: no cover - the loop always returns
+
+
+def _override(value: Any, configured: Any, shown: str) -> str:
+    if configured is None or value == configured:
+        return ""
+    return f" (runtime override; file says {shown})"
+
+
+def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
+    tq, tq_conf = gpu.get("tq"), gpu.get("tq_configured")
+    mode, mode_conf = gpu.get("mode"), gpu.get("mode_configured")
+    health = "" if gpu.get("healthy", True) else "  UNHEALTHY"
+    memory = _bytes(gpu.get("memory_total_bytes"))
+    lines = [f"GPU {gpu.get('id')}: {gpu.get('name')} ({gpu.get('uuid')}), {memory}{health}"]
+    tq_text = "?" if tq is None else f"{format_number(tq)} s"
+    conf_text = "?" if tq_conf is None else format_number(tq_conf)
+    lines.append(f"  TQ       {tq_text}{_override(tq, tq_conf, conf_text)}")
+    if gpu.get("idle_release") is not None:
+        lines.append(f"  release  after {format_number(gpu['idle_release'])} s without GPU work")
+    contended = ", contended" if gpu.get("contended") else ""
+    lines.append(f"  mode     {mode}{contended}{_override(mode, mode_conf, str(mode_conf))}")
+    holder = gpu.get("holder")
+    if holder is None:
+        lines.append("  holder   none")
+    else:
+        left = holder.get("remaining_s")
+        when = "keeps it while nobody waits" if left is None else f"{left:.1f} s left"
+        lines.append(f"  holder   {holder['tenant']} for {holder['since_s']:.1f} s, {when}")
+    waiters = gpu.get("waiters") or []
+    if not waiters:
+        lines.append("  waiters  none")
+    for i, w in enumerate(waiters):
+        label = "  waiters  " if i == 0 else "           "
+        lines.append(f"{label}{w['position']}. {w['tenant']} waiting {w['waiting_s']:.1f} s")
+    tenants = gpu.get("tenants") or []
+    if not tenants:
+        lines.append("  tenants  none")
+    for i, t in enumerate(tenants):
+        label = "  tenants  " if i == 0 else "           "
+        pids = ",".join(str(p) for p in t.get("pids", [])) or "-"
+        size = _bytes(t.get("footprint_bytes"))
+        lines.append(f"{label}{t['id']} ({t.get('name')}): {t.get('state')}, pids {pids}, {size}")
+    return lines
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """Render the daemon's status object for a person.
+
+    Args:
+        status: The ``status`` result (shape in ``docs/control-protocol.md``).
+
+    Returns:
+        Several lines, one block per GPU, without a trailing newline.
+    """
+    lines = [
+        f"kiwid {status.get('version')} (pid {status.get('pid')}), "
+        f"scheduling {status.get('scheduling')}"
+    ]
+    config = status.get("config") or {}
+    reload = config.get("last_reload") or {}
+    if reload.get("ok", True):
+        lines.append(f"config   {config.get('path')} (last reload ok)")
+    else:
+        lines.append(
+            f"config   {config.get('path')}: last reload FAILED, previous settings kept: "
+            f"{reload.get('error')}"
+        )
+    gpus = status.get("gpus") or []
+    if not gpus:
+        lines.append("no GPUs")
+    for gpu in gpus:
+        lines += ["", *_gpu_lines(gpu)]
+    return "\n".join(lines)
+
+
+def format_tenants(tenants: list[dict[str, Any]]) -> str:
+    """Render the ``tenants`` list as an aligned table.
+
+    Args:
+        tenants: The ``tenants`` field of the daemon's answer.
+
+    Returns:
+        A header and one row per tenant, or ``no tenants``.
+    """
+    if not tenants:
+        return "no tenants"
+    rows = [("TENANT", "NAME", "STATE", "GPUS", "FOOTPRINT", "PIDS")]
+    for t in tenants:
+        gpus = ",".join(str(g) for g in t.get("gpus", [])) or "-"
+        pids = ",".join(str(p) for p in t.get("pids", [])) or "-"
+        size = _bytes(t.get("footprint_bytes"))
+        rows.append((str(t.get("id")), str(t.get("name")), str(t.get("state")), gpus, size, pids))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    path = args.socket
+    if args.command is not None:
+        result = request(path, args.command)
+        if args.json:
+            print(json.dumps(result, indent=2, sort_keys=True))
+        elif args.command == "status":
+            print(format_status(result))
+        else:
+            print(format_tenants(result.get("tenants") or []))
+        return EXIT_OK
+    if args.tq is not None:
+        try:
+            tq = parse_tq(args.tq)
+        except ValueError as exc:
+            print(f"[ERROR] {exc}", file=sys.stderr)
+            return EXIT_INVALID
+        tq_args: dict[str, Any] = {"tq": tq} if args.gpu is None else {"tq": tq, "gpu": args.gpu}
+        result = request(path, "set-tq", tq_args)
+        print(f"[INFO] Successfully set the scheduler TQ to {format_number(result['tq'])} seconds.")
+        if result.get("warning"):
+            print(f"[WARNING] {result['warning']}", file=sys.stderr)
+        return EXIT_OK
+    result = request(path, "set-mode", {"mode": args.scheduler})
+    if result["mode"] == "off":
+        print(
+            "[INFO] Anti-thrashing scheduler is now off "
+            "(no gating: the driver time-slices the GPU)."
+        )
+    else:
+        print(f"[INFO] Anti-thrashing scheduler is now on (mode {result['mode']}).")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kiwictl``.
+
+    Args:
+        argv: Arguments without the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 success, 1 invalid request, 2 usage error, 3 kiwid
+        unreachable, 4 permission denied.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        actions = [args.command is not None, args.tq is not None, args.scheduler is not None]
+        if sum(actions) != 1:
+            parser.error("give exactly one of -T SECONDS, -S on|off, status or tenants")
+        if args.gpu is not None and args.tq is None:
+            parser.error("--gpu only goes with -T")
+    except SystemExit as exc:  # argparse's way of reporting usage errors and --help
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        return _run(args)
+    except DaemonUnreachable as exc:
+        print(f"[ERROR] {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except ControlError as exc:
+        print(f"[ERROR] {exc.message}", file=sys.stderr)
+        return EXIT_FORBIDDEN if exc.code == "forbidden" else EXIT_INVALID
+
+
+if __name__ == "__main__":
+    sys.exit(main())

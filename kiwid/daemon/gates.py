@@ -1,0 +1,143 @@
+"""Gates: how a waiting tenant is kept off the GPU, behind one interface.
+
+* ``FreezeGate`` freezes the tenant's cgroup (v2 ``cgroup.freeze``, or the v1
+  freezer). A bare process is first moved into a cgroup of its own
+  (``/kiwi/pid-N``) so that nothing else is frozen with it.
+* ``NullGate`` gates nothing: kiwid runs without the rights to freeze (not
+  root), still schedules and shows the rotation, and says so at start.
+
+Every gate returns a :class:`~kiwid.daemon.state.GatedRecord` that is enough to
+undo it from another process (``kiwid recover``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from kiwid.adapters.cgroups import CgroupLayout, CgroupRef, FreezeError, Freezer, isolate_process
+from kiwid.daemon.state import GatedRecord
+from kiwid.daemon.tenants import TenantInfo
+
+log = logging.getLogger("kiwid.gate")
+
+
+class GateError(Exception):
+    """A tenant could not be gated or ungated."""
+
+
+class TenantGate(Protocol):
+    """Gate and ungate tenants."""
+
+    method: str
+
+    def prepare(self, tenant: TenantInfo) -> GatedRecord:
+        """Return the record that undoes a gate of ``tenant`` (no gating yet)."""
+        ...
+
+    def gate(self, record: GatedRecord) -> None:
+        """Stop the tenant's GPU work; on failure leave it running.
+
+        Raises:
+            GateError: it could not be gated (it was left ungated).
+        """
+        ...
+
+    def ungate(self, record: GatedRecord) -> None:
+        """Let the tenant run again (a tenant that is gone is fine).
+
+        Raises:
+            GateError: it could not be ungated.
+        """
+        ...
+
+
+class FreezeGate:
+    """Freeze a tenant's cgroup."""
+
+    method = "freeze"
+
+    def __init__(self, layout: CgroupLayout, timeout_s: float = 2.0) -> None:
+        """Use the cgroup hierarchies of ``layout``; wait ``timeout_s`` for a freeze."""
+        self._layout = layout
+        self._freezer = Freezer(layout, timeout_s=timeout_s)
+
+    def prepare(self, tenant: TenantInfo) -> GatedRecord:
+        """Return the record; a bare process is moved into a cgroup of its own.
+
+        Raises:
+            GateError: the bare process could not be isolated.
+        """
+        ident = tenant.identity
+        if ident.dedicated:
+            ref = CgroupRef(v2=ident.cgroup_v2, v1_freezer=ident.cgroup_v1_freezer)
+        else:
+            if len(tenant.pids) != 1:
+                raise GateError(f"{ident.key}: a shared cgroup with several processes")
+            (pid,) = tenant.pids
+            try:
+                ref = isolate_process(pid, self._layout)
+            except (OSError, FreezeError) as err:
+                msg = f"{ident.key}: cannot move it into a cgroup of its own: {err}"
+                raise GateError(msg) from err
+        return GatedRecord(
+            tenant=ident.key,
+            method=self.method,
+            cgroup_v2=ref.v2,
+            cgroup_v1_freezer=ref.v1_freezer,
+            pids=tuple(sorted(tenant.pids)),
+        )
+
+    def gate(self, record: GatedRecord) -> None:
+        """Freeze the tenant's cgroup and wait until it is frozen.
+
+        Raises:
+            GateError: it did not freeze in time (it was thawed back).
+        """
+        try:
+            self._freezer.freeze(_ref(record))
+        except (OSError, FreezeError) as err:
+            raise GateError(f"{record.tenant}: {err}") from err
+
+    def ungate(self, record: GatedRecord) -> None:
+        """Thaw the tenant's cgroup in every hierarchy.
+
+        Raises:
+            GateError: the freezer refused to thaw it.
+        """
+        try:
+            self._freezer.thaw(_ref(record))
+        except (OSError, FreezeError) as err:
+            raise GateError(f"{record.tenant}: {err}") from err
+
+
+class NullGate:
+    """Gate nothing (no rights to freeze): the schedule is computed and shown only."""
+
+    method = "none"
+
+    def prepare(self, tenant: TenantInfo) -> GatedRecord:
+        """Return a record that needs no undoing."""
+        return GatedRecord(tenant.key, self.method, None, None, tuple(sorted(tenant.pids)))
+
+    def gate(self, record: GatedRecord) -> None:
+        """Do nothing."""
+
+    def ungate(self, record: GatedRecord) -> None:
+        """Do nothing."""
+
+
+def _ref(record: GatedRecord) -> CgroupRef:
+    return CgroupRef(v2=record.cgroup_v2, v1_freezer=record.cgroup_v1_freezer)
+
+
+def ungate_record(record: GatedRecord, layout: CgroupLayout | None = None) -> None:
+    """Undo ``record`` without a running daemon (``kiwid recover``, start-up).
+
+    Raises:
+        GateError: the tenant could not be ungated.
+    """
+    if record.method == "freeze":
+        FreezeGate(layout or CgroupLayout.detect()).ungate(record)
+    elif record.method != "none":
+        raise GateError(f"{record.tenant}: unknown gate method {record.method!r}")

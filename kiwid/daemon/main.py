@@ -1,0 +1,161 @@
+"""``kiwid``: the daemon's command line.
+
+    kiwid [--config PATH]            run in the foreground (systemd runs it so)
+    kiwid check-config [PATH]        validate a config file; exit 0 or 1
+    kiwid recover [--config PATH]    ungate every tenant a dead kiwid left gated
+
+Exit codes: 0 clean stop, 1 runtime failure (or tenants left gated),
+2 usage error, 3 start-up failure (bad config, no driver, socket in use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kiwid import __version__
+from kiwid.adapters.cgroups import CgroupError, CgroupLayout
+from kiwid.adapters.gpu import DriverUnavailable, GpuBackend
+from kiwid.config import ConfigError, Settings, check_config_main, load_config
+from kiwid.daemon.gates import FreezeGate, GateError, NullGate, TenantGate, ungate_record
+from kiwid.daemon.identify import identify
+from kiwid.daemon.logs import setup_logging
+from kiwid.daemon.runner import STARTUP_FAILURE, Daemon
+from kiwid.daemon.state import StateError, StateFile
+
+log = logging.getLogger("kiwid")
+DEFAULT_CONFIG = Path("/etc/kiwi.toml")
+
+EPILOG = """\
+commands:
+  (none)         run the daemon in the foreground
+  check-config   validate a config file (default /etc/kiwi.toml); exit 0 if valid
+  recover        ungate every tenant recorded as gated (systemd ExecStopPost=)
+
+Reload: SIGHUP (systemctl reload kiwid) or saving the config file.
+Exit codes: 0 stopped cleanly, 1 runtime failure or tenants left gated,
+2 usage error, 3 start-up failure.
+"""
+
+
+def make_backend(settings: Settings) -> GpuBackend:
+    """Open the configured GPU backend.
+
+    Raises:
+        DriverUnavailable: ``nvml`` was asked for and the driver is not usable.
+    """
+    if settings.gpu.backend == "sim":
+        from kiwid.adapters.sim import SimBackend  # noqa: PLC0415 - only when asked for
+
+        return SimBackend(
+            devices=settings.gpu.sim_devices,
+            memory_bytes=int(settings.gpu.sim_memory_gib * 2**30),
+        )
+    from kiwid.adapters.nvml import NvmlBackend  # noqa: PLC0415 - loads libnvidia-ml lazily
+
+    backend = NvmlBackend()
+    backend.devices()  # fail now, with the HINT, rather than at the first poll
+    return backend
+
+
+def make_gate() -> TenantGate:
+    """The freezer gate where kiwid may freeze (root, cgroups found), else none."""
+    if os.geteuid() != 0:
+        log.warning("Not running as root: tenants will be scheduled and shown but not gated")
+        return NullGate()
+    try:
+        return FreezeGate(CgroupLayout.detect())
+    except CgroupError as err:
+        log.warning("No usable cgroup freezer (%s): tenants will not be gated", err)
+        return NullGate()
+
+
+def run(argv: Sequence[str]) -> int:
+    """``kiwid [--config PATH]``."""
+    parser = argparse.ArgumentParser(
+        prog="kiwid",
+        description="Kiwi's GPU-sharing daemon: exclusive time quanta, round-robin.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help="config file (default %(default)s)"
+    )
+    parser.add_argument("--version", action="version", version=f"kiwid {__version__}")
+    args = parser.parse_args(argv)
+    setup_logging("info")
+    try:
+        loaded = load_config(args.config)
+    except ConfigError as err:
+        log.error("Cannot start:\n%s", err)
+        return STARTUP_FAILURE
+    setup_logging(loaded.settings.daemon.log_level)
+    try:
+        backend = make_backend(loaded.settings)
+    except DriverUnavailable as err:
+        log.error("Cannot start: %s", err)
+        return STARTUP_FAILURE
+    daemon = Daemon(args.config, loaded, backend=backend, gate=make_gate(), identify=identify)
+    return asyncio.run(daemon.run())
+
+
+def recover(argv: Sequence[str]) -> int:
+    """``kiwid recover``: ungate every tenant in the state file."""
+    parser = argparse.ArgumentParser(
+        prog="kiwid recover",
+        description="Ungate every tenant that kiwid recorded as gated (after a crash or "
+        "SIGKILL; systemd runs this as ExecStopPost=). Safe to run at any time.",
+    )
+    parser.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help="config file (default %(default)s)"
+    )
+    parser.add_argument(
+        "--state-dir", help="state directory (default: from the config file, else /run/kiwi)"
+    )
+    args = parser.parse_args(argv)
+    setup_logging("info")
+    state_dir = args.state_dir
+    if state_dir is None:
+        try:
+            state_dir = load_config(args.config).settings.daemon.state_dir
+        except ConfigError as err:
+            state_dir = Settings().daemon.state_dir
+            log.warning("Config unreadable (%s); using %s", err, state_dir)
+    state = StateFile(state_dir)
+    try:
+        records = state.load()
+    except StateError as err:
+        log.error("%s", err)
+        return 1
+    failed = 0
+    for record in records.values():
+        try:
+            ungate_record(record)
+        except GateError as err:
+            log.error("Could not ungate %s: %s", record.tenant, err)
+            failed += 1
+            continue
+        state.drop(record.tenant)
+        log.info("Ungated %s", record.tenant)
+    if failed:
+        return 1
+    state.clear()
+    log.info("Nothing is gated (%d tenant(s) ungated)", len(records))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kiwid`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "check-config":
+        return check_config_main(args[1:])
+    if args and args[0] == "recover":
+        return recover(args[1:])
+    if args and args[0] == "run":
+        args = args[1:]
+    return run(args)

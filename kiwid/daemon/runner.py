@@ -1,0 +1,499 @@
+"""kiwid's main loop: the only place that waits, polls, and applies changes.
+
+One asyncio loop: it wakes for the next poll, the scheduler's next deadline, the
+systemd watchdog, a signal, a config-file change or a control command, whichever
+comes first. Signal handlers only record (STYLE habit 7); reloads from SIGHUP
+and from the file watcher run one and the same transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kiwid.adapters.control import ControlError, ControlServer, Peer, SocketInUse
+from kiwid.adapters.gpu import DeviceInfo, GpuBackend, GpuBackendError, GpuLost
+from kiwid.adapters.notify import Notifier
+from kiwid.adapters.sim import SimBackend
+from kiwid.adapters.watch import ConfigWatcher, WatchError
+from kiwid.config import ConfigError, LoadedConfig, Settings, load_config
+from kiwid.core.events import GpusConfigured
+from kiwid.core.model import GpuPolicy
+from kiwid.core.scheduler import Scheduler
+from kiwid.daemon import policy
+from kiwid.daemon.engine import Engine
+from kiwid.daemon.gates import GateError, TenantGate, ungate_record
+from kiwid.daemon.logs import seconds, set_level
+from kiwid.daemon.state import StateError, StateFile
+from kiwid.daemon.status import build_status, summary_line, tenant_json
+from kiwid.daemon.tenants import GpuSample, Identity, TenantTracker
+
+log = logging.getLogger("kiwid")
+
+RUNTIME_FAILURE = 1
+STARTUP_FAILURE = 3
+SHORT_TQ_WARNING = (
+    "a TQ of 5 s or less is discouraged: each hand-over moves the tenant's GPU memory, "
+    "so with a short quantum the application spends its window waiting for its data"
+)
+# Settings that only a restart can change (they shape what the daemon is bound to).
+RESTART_ONLY = (
+    ("gpu.backend", lambda s: s.gpu.backend),
+    ("gpu.sim", lambda s: (s.gpu.sim_devices, s.gpu.sim_memory_gib)),
+    ("control.socket", lambda s: s.control.socket),
+    ("control.admin_group", lambda s: s.control.admin_group),
+    ("daemon.state_dir", lambda s: s.daemon.state_dir),
+)
+
+
+class StartupError(Exception):
+    """kiwid cannot start; the message says why and what to do."""
+
+
+class Daemon:
+    """The running daemon: settings, backend, engine, control socket, watcher."""
+
+    def __init__(
+        self,
+        config_path: Path,
+        loaded: LoadedConfig,
+        *,
+        backend: GpuBackend,
+        gate: TenantGate,
+        identify: Callable[[int], Identity | None],
+        notifier: Notifier | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Prepare the daemon; :meth:`run` starts it."""
+        self.config_path = config_path
+        self.settings: Settings = loaded.settings
+        self._running_settings = loaded.settings  # restart-only values in force
+        self.overrides = policy.RuntimeOverrides()
+        self.backend = backend
+        self.notifier = notifier or Notifier()
+        self._clock = clock
+        self.state = StateFile(self.settings.daemon.state_dir)
+        self.engine = Engine(Scheduler(), TenantTracker(identify), gate, self.state, clock)
+        self.devices: list[DeviceInfo] = []
+        self.unhealthy: set[str] = set()
+        self._loaded_at = time.time()
+        self._last_reload: dict[str, Any] = {"ok": True, "at_unix": self._loaded_at, "error": None}
+        self._wake: asyncio.Event | None = None
+        self._should_exit = False
+        self._force_exit = False
+        self._reload_reasons: list[str] = []
+        self._server: ControlServer | None = None
+        self._watcher: ConfigWatcher | None = None
+        self._last_status_line = ""
+        for warning in loaded.warnings:
+            log.warning("%s: %s", config_path, warning)
+
+    # ------------------------------------------------------------ signals
+
+    def handle_exit(self, sig: int) -> None:
+        """SIGTERM/SIGINT: ask the loop to stop; a second SIGINT forces."""
+        if self._should_exit and sig == signal.SIGINT:
+            self._force_exit = True
+        self._should_exit = True
+        self._poke()
+
+    def handle_hup(self) -> None:
+        """SIGHUP: queue a reload."""
+        self.request_reload("SIGHUP")
+
+    def request_reload(self, reason: str) -> None:
+        """Queue a reload (from a signal, the file watcher or a test)."""
+        self._reload_reasons.append(reason)
+        self._poke()
+
+    def _from_thread(self, loop: asyncio.AbstractEventLoop, reason: str) -> None:
+        loop.call_soon_threadsafe(self.request_reload, reason)
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    # ------------------------------------------------------------ life cycle
+
+    async def run(self) -> int:
+        """Run until SIGTERM/SIGINT; return the process exit code."""
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        installed = self._install_signals(loop)
+        try:
+            try:
+                await self._startup(loop)
+            except StartupError as err:
+                log.error("%s", err)
+                await self._shutdown()
+                return STARTUP_FAILURE
+            status = self.status()
+            self.notifier.ready(summary_line(status))
+            log.info(
+                "kiwid %s ready: %d GPU(s), TQ %s s, mode %s, control socket %s",
+                status["version"],
+                len(self.devices),
+                seconds(self.settings.scheduler.tq),
+                self.settings.scheduler.mode,
+                self.settings.control.socket,
+            )
+            try:
+                await self._loop()
+            except Exception:
+                log.exception("kiwid's main loop failed; ungating every tenant")
+                await self._shutdown()
+                return RUNTIME_FAILURE
+            return await self._shutdown()
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    def _install_signals(self, loop: asyncio.AbstractEventLoop) -> list[int]:
+        try:
+            loop.add_signal_handler(signal.SIGTERM, self.handle_exit, signal.SIGTERM)
+            loop.add_signal_handler(signal.SIGINT, self.handle_exit, signal.SIGINT)
+            loop.add_signal_handler(signal.SIGHUP, self.handle_hup)
+        except (RuntimeError, ValueError):  # not the main thread (tests): none
+            return []
+        return [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+
+    async def _startup(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            self.devices = list(self.backend.devices())
+        except GpuBackendError as err:
+            raise StartupError(f"cannot list GPUs: {err}") from err
+        self._recover_previous()
+        await self.engine.apply([GpusConfigured(self.policies())])
+        admin_gid = _group_id(self.settings.control.admin_group)
+        self._server = ControlServer(
+            self.settings.control.socket,
+            self.handle_command,
+            admin_gid,
+            self.settings.control.admin_group,
+        )
+        try:
+            await self._server.start()
+        except (SocketInUse, OSError) as err:
+            self._server = None
+            raise StartupError(f"control socket {self.settings.control.socket}: {err}") from err
+        self._watcher = ConfigWatcher(
+            self.config_path,
+            lambda: self._from_thread(loop, "file changed"),
+        )
+        try:
+            self._watcher.start()
+        except WatchError as err:
+            self._watcher = None
+            log.warning("Not watching %s (%s): use systemctl reload kiwid", self.config_path, err)
+
+    def _recover_previous(self) -> None:
+        """Ungate whatever a previous kiwid left gated (crash, SIGKILL)."""
+        try:
+            records = self.state.load()
+        except StateError as err:
+            log.warning("Ignoring the state file: %s", err)
+            records = {}
+        for record in records.values():
+            try:
+                ungate_record(record)
+            except GateError as err:
+                log.error(
+                    "A previous kiwid left %s gated and it cannot be ungated: %s",
+                    record.tenant,
+                    err,
+                )
+                continue
+            log.info("Ungated %s, left gated by a previous kiwid", record.tenant)
+            self.state.drop(record.tenant)
+        if not self.state.records:
+            self.state.clear()
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        next_poll = self._clock()
+        watchdog_every = self.notifier.watchdog_interval_s()
+        next_ping = self._clock()
+        while not self._should_exit:
+            if self._reload_reasons:
+                reasons = ", ".join(dict.fromkeys(self._reload_reasons))
+                self._reload_reasons.clear()
+                await self.reload(reasons)
+            now = self._clock()
+            if now >= next_poll:
+                await self.poll()
+                next_poll = now + self.settings.gpu.poll_interval
+            deadline = self.engine.scheduler.next_deadline()
+            if deadline is not None and deadline <= self._clock():
+                await self.engine.tick()
+                deadline = self.engine.scheduler.next_deadline()
+            if watchdog_every is not None and self._clock() >= next_ping:
+                self.notifier.watchdog()  # from the loop: a hung loop stops the pings
+                next_ping = self._clock() + watchdog_every
+            self._update_status_line()
+            wake_at = min(next_poll, deadline if deadline is not None else math.inf)
+            if watchdog_every is not None:
+                wake_at = min(wake_at, next_ping)
+            timeout = max(0.0, wake_at - self._clock())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+
+    async def _shutdown(self) -> int:
+        self.notifier.stopping()
+        log.info("Stopping: ungating every tenant")
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self._server is not None:
+            await self._server.close()
+        timeout = 0.5 if self._force_exit else self.settings.daemon.shutdown_timeout
+        try:
+            failed = await asyncio.wait_for(self.engine.ungate_all(), timeout)
+        except TimeoutError:
+            failed = sorted(self.state.records)
+        self.engine.close()
+        with contextlib.suppress(GpuBackendError):
+            self.backend.close()
+        if failed:
+            log.error(
+                "Still gated after %s s: %s; run `kiwid recover` (it reads %s)",
+                seconds(timeout),
+                ", ".join(failed),
+                self.state.path,
+            )
+            return RUNTIME_FAILURE
+        self.state.clear()
+        log.info("Stopped; no tenant is gated")
+        return 0
+
+    # ------------------------------------------------------------ work
+
+    def policies(self) -> dict[str, GpuPolicy]:
+        """The policy in force on every healthy GPU."""
+        healthy = [d for d in self.devices if str(d.index) not in self.unhealthy]
+        return policy.policies(self.settings, self.overrides, healthy)
+
+    async def poll(self) -> None:
+        """Sample every GPU and feed the differences to the engine."""
+        samples: list[GpuSample] = []
+        lost: list[str] = []
+        window = self.settings.gpu.poll_interval
+        health_changed = False
+        for device in self.devices:
+            gid = str(device.index)
+            try:
+                procs = self.backend.processes(device.index)
+                active = self.backend.active_pids(device.index, window)
+            except GpuLost as err:
+                lost.append(gid)
+                if gid not in self.unhealthy:
+                    self.unhealthy.add(gid)
+                    health_changed = True
+                    log.error("GPU %s is lost (%s): its tenants are no longer gated", gid, err)
+                continue
+            if gid in self.unhealthy:
+                self.unhealthy.discard(gid)
+                health_changed = True
+                log.info("GPU %s is back", gid)
+            samples.append(GpuSample(gid, procs, active))
+        events = self.engine.tracker.observe(samples, self._clock(), lost)
+        if health_changed:
+            events.insert(0, GpusConfigured(self.policies()))
+        await self.engine.apply(events)
+
+    async def reload(self, reason: str) -> bool:
+        """The reload transaction: parse and validate, then swap, or keep the old."""
+        self.notifier.reloading()
+        log.info("Reloading %s (%s)", self.config_path, reason)
+        try:
+            loaded = load_config(self.config_path)
+        except ConfigError as err:
+            self._last_reload = {"ok": False, "at_unix": time.time(), "error": str(err)}
+            log.error("Reload failed; the running configuration stays in force:\n%s", err)
+            self.notifier.ready(f"reload failed, running configuration kept: {err}")
+            return False
+        for name, get in RESTART_ONLY:
+            if get(loaded.settings) != get(self._running_settings):
+                log.warning(
+                    "%s changed in %s: it takes effect at the next restart", name, self.config_path
+                )
+        for warning in loaded.warnings:
+            log.warning("%s: %s", self.config_path, warning)
+        before = self.policies()
+        self.settings = loaded.settings
+        self.overrides = policy.RuntimeOverrides()  # the file is the persistent truth
+        set_level(self.settings.daemon.log_level)
+        after = self.policies()
+        await self.engine.apply([GpusConfigured(after)])
+        self._log_tq_changes(before, after)
+        self._loaded_at = time.time()
+        self._last_reload = {"ok": True, "at_unix": self._loaded_at, "error": None}
+        self.notifier.ready(summary_line(self.status()))
+        return True
+
+    def _log_tq_changes(self, before: dict[str, GpuPolicy], after: dict[str, GpuPolicy]) -> None:
+        changed = {
+            g: p.tq_s for g, p in after.items() if g not in before or before[g].tq_s != p.tq_s
+        }
+        if not changed:
+            return
+        values = set(changed.values())
+        if len(changed) == len(after) and len(values) == 1:
+            log.info("New TQ = %s", seconds(values.pop()))
+            return
+        for gpu, tq in sorted(changed.items()):
+            log.info("New TQ = %s on GPU %s", seconds(tq), gpu)
+
+    def _update_status_line(self) -> None:
+        line = summary_line(self.status())
+        if line != self._last_status_line:
+            self._last_status_line = line
+            self.notifier.status(line)
+
+    # ------------------------------------------------------------ control
+
+    def status(self) -> dict[str, Any]:
+        """The status object (protocol v1)."""
+        return build_status(
+            pid=os.getpid(),
+            config={
+                "path": str(self.config_path),
+                "loaded_at_unix": self._loaded_at,
+                "last_reload": dict(self._last_reload),
+            },
+            scheduling_on=not self.overrides.scheduling_off,
+            devices=self.devices,
+            unhealthy=self.unhealthy,
+            configured={str(d.index): policy.configured(self.settings, d) for d in self.devices},
+            view=self.engine.scheduler.view(self._clock()),
+            tenants=self.engine.tracker.tenants,
+            gate_failures=self.engine.gate_failures,
+            gate_method=self.engine.gate.method,
+        )
+
+    async def handle_command(self, cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Answer one control request (already validated and authorised).
+
+        Raises:
+            ControlError: the request is refused; its code and message say why.
+        """
+        if cmd == "ping":
+            return {"version": self.status()["version"]}
+        if cmd == "status":
+            return self.status()
+        if cmd == "tenants":
+            view = self.engine.scheduler.view(self._clock())
+            return {
+                "tenants": [
+                    tenant_json(
+                        self.engine.tracker.tenants.get(t.tenant),
+                        t.tenant,
+                        t.state,
+                        self.engine.gate_failures.get(t.tenant),
+                    )
+                    for t in view.tenants
+                ]
+            }
+        if cmd == "set-tq":
+            return await self._set_tq(args, peer)
+        if cmd == "set-mode":
+            return await self._set_mode(args, peer)
+        if cmd in ("sim-attach", "sim-detach"):
+            return self._sim(cmd, args)
+        raise ControlError("unknown-command", f"unknown command {cmd!r}")
+
+    def _gpu_of(self, ref: object) -> str:
+        for device in self.devices:
+            if ref in (str(device.index), device.uuid):
+                return str(device.index)
+        known = ", ".join(str(d.index) for d in self.devices) or "none"
+        raise ControlError("invalid-value", f"no GPU {ref!r} on this node (GPUs: {known})")
+
+    async def _set_tq(self, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        tq = args.get("tq")
+        if (
+            isinstance(tq, bool)
+            or not isinstance(tq, int | float)
+            or not math.isfinite(tq)
+            or tq <= 0
+        ):
+            raise ControlError("invalid-value", f"TQ must be a number of seconds > 0, not {tq!r}")
+        if tq > 86400:
+            raise ControlError("invalid-value", f"TQ of {tq:g} s is more than a day; refusing")
+        before = self.policies()
+        if args.get("gpu") is None:
+            self.overrides.tq = float(tq)
+            self.overrides.gpu_tq.clear()
+            gpus = [str(d.index) for d in self.devices]
+        else:
+            gid = self._gpu_of(args["gpu"])
+            self.overrides.gpu_tq[gid] = float(tq)
+            gpus = [gid]
+        after = self.policies()
+        await self.engine.apply([GpusConfigured(after)])
+        log.info(
+            "Runtime TQ change by uid %d (not persisted; %s keeps its value)",
+            peer.uid,
+            self.config_path,
+        )
+        self._log_tq_changes(before, after)
+        warning = SHORT_TQ_WARNING if tq <= 5 else None
+        if warning:
+            log.warning("TQ %s s: %s", seconds(tq), warning)
+        return {"tq": float(tq), "gpus": gpus, "warning": warning}
+
+    async def _set_mode(self, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        mode = args.get("mode")
+        if mode not in ("exclusive", "auto", "off", "on"):
+            raise ControlError(
+                "invalid-value", f"mode must be exclusive, auto, off or on, not {mode!r}"
+            )
+        if mode == "on":
+            self.overrides.scheduling_off = False
+            self.overrides.mode = None
+        elif mode == "off":
+            self.overrides.scheduling_off = True
+        else:
+            self.overrides.scheduling_off = False
+            self.overrides.mode = mode
+        policies = self.policies()
+        await self.engine.apply([GpusConfigured(policies)])
+        modes = sorted({p.mode.value for p in policies.values()})
+        log.info(
+            "Scheduling mode = %s (runtime change by uid %d, not persisted)",
+            "/".join(modes),
+            peer.uid,
+        )
+        return {"mode": "/".join(modes) or mode, "gpus": sorted(policies)}
+
+    def _sim(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(self.backend, SimBackend):
+            raise ControlError("unavailable", f'{cmd} needs [gpu] backend = "sim"')
+        try:
+            if cmd == "sim-attach":
+                self.backend.attach(
+                    int(args["pid"]),
+                    int(args.get("gpu", 0)),
+                    int(args.get("memory_bytes", 0)),
+                    str(args.get("activity", "cpu")),
+                )
+                return {"attached": int(args["pid"])}
+            return {"detached": self.backend.detach(int(args["pid"]))}
+        except (KeyError, TypeError, ValueError) as err:
+            raise ControlError("invalid-value", str(err)) from None
+
+
+def _group_id(name: str) -> int | None:
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        log.warning("Group %r does not exist: only root may change the scheduler", name)
+        return None

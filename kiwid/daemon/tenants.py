@@ -1,0 +1,143 @@
+"""From the GPU backend's process lists to tenants and scheduler events.
+
+A tenant is a container (one cgroup) or a bare process. Each poll reads, per
+GPU, the compute processes with their memory and the PIDs that did GPU work,
+maps PIDs to tenants (cached per PID) and turns the differences into events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kiwid.adapters.gpu import GpuProcess
+from kiwid.core.events import ActivitySeen, Event, FootprintSeen, TenantAttached, TenantDetached
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a process belongs to, as the host sees it."""
+
+    key: str
+    """Stable tenant id: ``docker:<id12>``, ``cgroup:/path``, ``pid:<pid>``..."""
+    kind: str
+    name: str
+    cgroup_v2: str | None = None
+    cgroup_v1_freezer: str | None = None
+    dedicated: bool = False
+    """Whether its cgroup holds only this tenant (else it must be isolated to gate it)."""
+    container_id: str | None = None
+    pod: str | None = None
+    namespace: str | None = None
+
+
+@dataclass
+class TenantInfo:
+    """What kiwid knows of one tenant (the daemon's side; the core has only the key)."""
+
+    identity: Identity
+    pids: set[int] = field(default_factory=set)
+    gpus: frozenset[str] = frozenset()
+    footprint: dict[str, int | None] = field(default_factory=dict)
+    first_seen: float = 0.0
+
+    @property
+    def key(self) -> str:
+        """The tenant's id."""
+        return self.identity.key
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One GPU's processes and active PIDs at one poll."""
+
+    gpu: str
+    processes: Sequence[GpuProcess]
+    active_pids: frozenset[int]
+
+
+class TenantTracker:
+    """Keeps the tenant table and turns each poll into scheduler events."""
+
+    def __init__(self, identify: Callable[[int], Identity | None]) -> None:
+        """``identify`` maps a host PID to its tenant (``None``: process gone)."""
+        self._identify = identify
+        self._by_pid: dict[int, Identity] = {}
+        self.tenants: dict[str, TenantInfo] = {}
+
+    def observe(
+        self, samples: Iterable[GpuSample], now: float, lost_gpus: Iterable[str] = ()
+    ) -> list[Event]:
+        """Return the events that this poll's ``samples`` amount to.
+
+        GPUs in ``lost_gpus`` could not be read this time: their tenants keep
+        their last known state rather than being dropped.
+        """
+        pids: dict[str, set[int]] = {}
+        gpus: dict[str, set[str]] = {}
+        memory: dict[tuple[str, str], int | None] = {}
+        active: set[str] = set()
+        seen_pids: set[int] = set()
+        for sample in samples:
+            for proc in sample.processes:
+                ident = self._lookup(proc.pid)
+                if ident is None:
+                    continue
+                seen_pids.add(proc.pid)
+                pids.setdefault(ident.key, set()).add(proc.pid)
+                gpus.setdefault(ident.key, set()).add(sample.gpu)
+                slot = (ident.key, sample.gpu)
+                used = proc.used_memory_bytes
+                known = memory.get(slot, 0)
+                memory[slot] = None if used is None or known is None else known + used
+                if proc.pid in sample.active_pids:
+                    active.add(ident.key)
+        lost = set(lost_gpus)
+        for key, info in self.tenants.items():  # keep tenants of unreadable GPUs
+            kept = info.gpus & lost
+            if kept and key not in gpus:
+                gpus[key] = set(kept)
+                pids[key] = set(info.pids)
+                seen_pids |= info.pids
+        for pid in set(self._by_pid) - seen_pids:
+            del self._by_pid[pid]
+        return self._diff(pids, gpus, memory, active, now)
+
+    def _lookup(self, pid: int) -> Identity | None:
+        ident = self._by_pid.get(pid)
+        if ident is None:
+            ident = self._identify(pid)
+            if ident is not None:
+                self._by_pid[pid] = ident
+        return ident
+
+    def _diff(
+        self,
+        pids: Mapping[str, set[int]],
+        gpus: Mapping[str, set[str]],
+        memory: Mapping[tuple[str, str], int | None],
+        active: set[str],
+        now: float,
+    ) -> list[Event]:
+        events: list[Event] = []
+        for key in sorted(set(self.tenants) - set(gpus)):
+            del self.tenants[key]
+            events.append(TenantDetached(key))
+        for key in sorted(gpus):
+            gpu_set = frozenset(gpus[key])
+            info = self.tenants.get(key)
+            if info is None:
+                ident = self._by_pid[next(iter(pids[key]))]
+                info = TenantInfo(ident, first_seen=now)
+                self.tenants[key] = info
+            info.pids = set(pids[key])
+            if info.gpus != gpu_set:
+                info.gpus = gpu_set
+                events.append(TenantAttached(key, gpu_set))
+            for gpu in sorted(gpu_set):
+                used = memory.get((key, gpu))
+                if (key, gpu) in memory and info.footprint.get(gpu, -1) != used:
+                    info.footprint[gpu] = used
+                    events.append(FootprintSeen(key, gpu, used))
+        events.extend(ActivitySeen(key) for key in sorted(active))
+        return events

@@ -48,10 +48,14 @@ def main() -> None:
         sched.handle(TenantAttached(tid, frozenset({gpu})), now)
         events += 2
     elapsed = time.perf_counter() - start
-    print(f"machine: {platform.node()} {platform.machine()} {platform.processor() or ''} "
-          f"python {platform.python_version()}")
-    print(f"core: {GPUS} GPUs x {PER_GPU} tenants, {events} events in {elapsed:.2f} s "
-          f"= {events / elapsed:,.0f} events/s (target >= 100,000)")
+    print(
+        f"machine: {platform.node()} {platform.machine()} {platform.processor() or ''} "
+        f"python {platform.python_version()}"
+    )
+    print(
+        f"core: {GPUS} GPUs x {PER_GPU} tenants, {events} events in {elapsed:.2f} s "
+        f"= {events / elapsed:,.0f} events/s (target >= 100,000)"
+    )
 
 
 if __name__ == "__main__":

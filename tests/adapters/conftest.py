@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,9 +72,9 @@ class Sandbox:
                 directory.mkdir(parents=True)
         return ref
 
-    def spawn(self, argv: list[str] | None = None, **kwargs: object) -> subprocess.Popen[bytes]:
+    def spawn(self, argv: list[str] | None = None, **kwargs: Any) -> subprocess.Popen[bytes]:
         """Start a child (a sleeper by default) that teardown will kill."""
-        child: subprocess.Popen[bytes] = subprocess.Popen(argv or SLEEP, **kwargs)  # type: ignore[call-overload]
+        child: subprocess.Popen[bytes] = subprocess.Popen(argv or SLEEP, **kwargs)
         self.children.append(child)
         return child
 

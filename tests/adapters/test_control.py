@@ -438,6 +438,39 @@ def test_request_times_out_on_a_daemon_that_never_answers(sock_dir: Path) -> Non
             request(sock_dir / "hung.sock", "ping", timeout_s=0.2)
 
 
+@pytest.mark.parametrize(
+    ("reply", "code"),
+    [
+        (b"", None),  # closed without answering: unreachable
+        (b"garbage\n", "internal"),
+        (b'{"v": 1, "ok": true, "result": [1]}\n', "internal"),
+        (b'{"v": 1, "ok": false, "error": {"code": "from-the-future", "message": "m"}}\n', None),
+    ],
+)
+def test_request_copes_with_odd_answers(sock_dir: Path, reply: bytes, code: str | None) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as odd:
+        odd.bind(str(sock_dir / "odd.sock"))
+        odd.listen()
+
+        def answer_once() -> None:
+            conn, _ = odd.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+        server = threading.Thread(target=answer_once)
+        server.start()
+        with pytest.raises((ControlError, DaemonUnreachable)) as err:
+            request(sock_dir / "odd.sock", "ping")
+        server.join(5)
+    if not reply:
+        assert isinstance(err.value, DaemonUnreachable)
+        assert "without answering" in str(err.value)
+    else:
+        assert isinstance(err.value, ControlError)
+        assert err.value.code == (code or "from-the-future")
+
+
 # ---- credentials and authorisation with a real second uid ----------------------------
 
 

@@ -1,0 +1,120 @@
+"""Benchmark: kiwid's own CPU and memory with 8 simulated GPUs x 64 idle tenants.
+
+512 real processes (``sleep 3600``) are attached round-robin to 8 simulated GPUs
+with 1 GiB each (activity "cpu": a sleeping process is idle). Once kiwid lists all
+512 tenants, its CPU use (utime + stime from /proc/PID/stat over 20 s of wall
+time, in % of one core) and its RSS (VmRSS) are measured. Targets: < 1% of a
+core, < 60 MB. With ``--busy N``, a second phase replaces N of the sleepers (the
+first N, so one per GPU while N <= 8) by busy loops and measures again.
+Prints the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from _kiwid import (
+    GIB,
+    Kiwid,
+    Tenants,
+    cpu_seconds,
+    exit_on_sigterm,
+    machine,
+    raise_nofile,
+    rss_bytes,
+)
+
+TARGET_CPU_PCT = 1.0
+TARGET_RSS_MB = 60.0
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def wait_for(kiwid: Kiwid, count: int, busy: int, timeout_s: float) -> float:
+    """Wait until kiwid lists ``count`` tenants, ``busy`` of them not idle; return the wait."""
+    start = time.monotonic()
+    while True:
+        tenants = kiwid.request("tenants")["tenants"]
+        assert isinstance(tenants, list)
+        active = sum(1 for t in tenants if t["state"] != "idle")
+        if len(tenants) == count and active >= busy:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise RuntimeError(
+                f"kiwid lists {len(tenants)} tenants ({active} not idle) after {timeout_s:g} s; "
+                f"expected {count} ({busy} not idle)"
+            )
+        time.sleep(0.25)
+
+
+def measure(kiwid: Kiwid, seconds: float, label: str) -> None:
+    """Print kiwid's CPU use over ``seconds`` of wall time and its RSS at the end."""
+    cpu0, t0 = cpu_seconds(kiwid.pid), time.monotonic()
+    time.sleep(seconds)
+    cpu1, t1 = cpu_seconds(kiwid.pid), time.monotonic()
+    pct = 100 * (cpu1 - cpu0) / (t1 - t0)
+    rss_mb = rss_bytes(kiwid.pid) / 1e6
+    print(
+        f"{label}: kiwid CPU {pct:.2f}% of one core over {t1 - t0:.1f} s "
+        f"(target < {TARGET_CPU_PCT:g}%: {_verdict(pct < TARGET_CPU_PCT)}); "
+        f"RSS {rss_mb:.1f} MB (target < {TARGET_RSS_MB:g} MB: {_verdict(rss_mb < TARGET_RSS_MB)})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--per-gpu", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=20.0, help="measuring window")
+    parser.add_argument("--poll", type=float, default=0.5, help="kiwid's gpu.poll_interval")
+    parser.add_argument("--busy", type=int, default=0, help="second phase: N busy tenants")
+    parser.add_argument(
+        "--profile", type=Path, help="run kiwid under cProfile, write its profile here"
+    )
+    args = parser.parse_args()
+    exit_on_sigterm()
+    count = args.gpus * args.per_gpu
+    raise_nofile(count + 1024)
+    print(machine())
+    daemon = Kiwid(args.gpus, poll_interval=args.poll, profile=args.profile)
+    with Tenants() as tenants, daemon as kiwid:
+        start = time.monotonic()
+        slots: list[tuple[int, int]] = []  # (pid, gpu), tenant i on GPU i % gpus
+        for i in range(count):
+            pid = tenants.spawn()
+            slots.append((pid, i % args.gpus))
+            args_ = {"pid": pid, "gpu": i % args.gpus, "memory_bytes": GIB, "activity": "cpu"}
+            kiwid.request("sim-attach", args_)
+        attached = time.monotonic() - start
+        seen = wait_for(kiwid, count, 0, 120.0)
+        print(
+            f"kiwid: {args.gpus} simulated GPUs x {args.per_gpu} tenants = {count} idle "
+            f"tenants (sleep 3600), 1 GiB each, poll every {args.poll:g} s, TQ 30 s; "
+            f"attached in {attached:.1f} s, all listed {seen:.1f} s later"
+        )
+        measure(kiwid, args.seconds, f"idle, {count} tenants")
+        if args.busy:
+            for i in range(min(args.busy, count)):
+                old_pid, gpu = slots[i]
+                kiwid.request("sim-detach", {"pid": old_pid})
+                tenants.kill(old_pid)
+                pid = tenants.spawn(busy=True)
+                slots[i] = (pid, gpu)
+                args_ = {"pid": pid, "gpu": gpu, "memory_bytes": GIB, "activity": "cpu"}
+                kiwid.request("sim-attach", args_)
+            seen = wait_for(kiwid, count, min(args.busy, count), 60.0)
+            gpus = len({gpu for _, gpu in slots[: args.busy]})
+            measure(
+                kiwid,
+                args.seconds,
+                f"busy, {count} tenants of which {args.busy} busy (python busy loop) "
+                f"on {gpus} GPUs",
+            )
+
+
+if __name__ == "__main__":
+    main()

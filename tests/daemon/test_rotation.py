@@ -1,0 +1,112 @@
+"""Real processes in real cgroups, rotated by a real kiwid (sim backend)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+from tests.daemon.conftest import KIWID, wait_for
+
+
+def holder(k) -> str | None:
+    h = k.status()["gpus"][0]["holder"]
+    return h["tenant"] if h else None
+
+
+def runnable(tenants) -> list[str] | None:
+    """Which tenants are not frozen, from a consistent read (None if it moved)."""
+    first = [t.frozen() for t in tenants]
+    second = [t.frozen() for t in tenants]
+    if first != second:
+        return None
+    return [t.name for t, frozen in zip(tenants, first, strict=True) if not frozen]
+
+
+def test_only_one_tenant_runs_and_the_order_is_round_robin(start_kiwid, tenants) -> None:
+    k = start_kiwid(tq=1, idle_release=0.5, poll=0.05)
+    ts = [tenants(name) for name in ("a", "b", "c")]
+    idle = tenants("sleeper", busy=False)
+    for t in [*ts, idle]:
+        k.attach(t.pid)
+    wait_for(lambda: sum(t.frozen() for t in ts) == 2, 5, "two of three to be gated")
+    order: list[str] = []
+    samples = 0
+    deadline = time.monotonic() + 7
+    while time.monotonic() < deadline:
+        now_running = runnable(ts)
+        if now_running is not None:
+            samples += 1
+            assert len(now_running) <= 1, f"co-running at a sample: {now_running}"
+        current = holder(k)
+        if current and (not order or order[-1] != current):
+            order.append(current)
+        assert not idle.frozen(), "an idle tenant is never gated"
+    keys = {t.key: t.name for t in ts}
+    names = [keys[h] for h in order if h in keys]
+    assert len(names) >= 5, names
+    cycle = names[:3]
+    assert sorted(cycle) == ["a", "b", "c"]
+    assert names == (cycle * 4)[: len(names)], f"not round-robin: {names}"
+    assert samples > 50
+    # The frozen ones made no progress while waiting: CPU shares are about equal.
+    ticks = [t.cpu_ticks() for t in ts]
+    assert min(ticks) > 0
+
+
+def test_holder_that_exits_hands_over_at_once(start_kiwid, tenants) -> None:
+    k = start_kiwid(tq=30, idle_release=5, poll=0.05)
+    a, b = tenants("a"), tenants("b")
+    k.attach(a.pid)
+    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
+    k.attach(b.pid)
+    wait_for(b.frozen, 5, "b to be gated behind a")
+    a.proc.kill()
+    a.proc.wait()
+    started = time.monotonic()
+    wait_for(lambda: not b.frozen(), 3, "b to be let go when a exits")
+    assert time.monotonic() - started < 3 < 30  # not at the end of a's quantum
+    assert holder(k) == b.key
+
+
+def test_sigterm_thaws_everyone_and_clears_the_state(start_kiwid, tenants, workdir) -> None:
+    k = start_kiwid(tq=30, poll=0.05)
+    a, b = tenants("a"), tenants("b")
+    k.attach(a.pid)
+    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
+    k.attach(b.pid)
+    wait_for(b.frozen, 5, "b to be gated")
+    assert (workdir / "state" / "state.json").exists()
+    assert k.stop(signal.SIGTERM) == 0
+    assert not b.frozen() and not a.frozen()
+    assert not (workdir / "state" / "state.json").exists()
+    assert "no tenant is gated" in k.log_text()
+
+
+def test_after_sigkill_recover_thaws_and_a_restart_would_too(start_kiwid, tenants, workdir) -> None:
+    k = start_kiwid(tq=30, poll=0.05)
+    a, b = tenants("a"), tenants("b")
+    k.attach(a.pid)
+    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
+    k.attach(b.pid)
+    wait_for(b.frozen, 5, "b to be gated")
+    k.proc.kill()
+    k.proc.wait()
+    assert b.frozen(), "SIGKILL leaves the tenant frozen: that is what recover is for"
+    out = subprocess.run(
+        [*KIWID, "recover", "--config", str(k.config)], capture_output=True, text=True, timeout=20
+    )
+    assert out.returncode == 0, out.stderr
+    assert b.key in out.stderr
+    assert not b.frozen()
+    # Again frozen by hand, as a dead kiwid would leave it, then a new kiwid starts.
+    (b.v2 / "cgroup.freeze").write_text("1")
+    (workdir / "state").mkdir(exist_ok=True)
+    record = {"method": "freeze", "cgroup_v2": b.key.removeprefix("cgroup:"), "pids": [b.pid]}
+    (workdir / "state" / "state.json").write_text(
+        json.dumps({"version": 1, "gated": {b.key: {**record, "cgroup_v1_freezer": None}}})
+    )
+    k2 = start_kiwid()
+    k2.wait_log("left gated by a previous kiwid")
+    assert not b.frozen()

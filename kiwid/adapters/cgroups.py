@@ -18,6 +18,7 @@ cgroup of its own so that it can be frozen without its neighbours.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -198,32 +199,31 @@ def cgroup_of(pid: int | str = "self") -> CgroupRef:
     return CgroupRef(v2=v2, v1_freezer=v1)
 
 
-def _write(file: Path, value: str) -> None:
-    """Write a control file; a vanished cgroup raises :class:`CgroupGone`."""
+def _control(file: Path, value: str | None = None) -> str:
+    """Read a cgroup control file, or write ``value`` to it.
+
+    Raises:
+        CgroupGone: The cgroup was removed (the tenant exited).
+        FreezeError: Any other failure.
+    """
     try:
-        with open(file, "w") as handle:
-            handle.write(value)
+        if value is None:
+            return file.read_text()
+        file.write_text(value)
     except OSError as exc:
         if exc.errno in _GONE:
             raise CgroupGone(f"{file.parent} no longer exists") from exc
-        raise FreezeError(f"cannot write {value!r} to {file}: {exc}") from exc
-
-
-def _read(file: Path) -> str:
-    try:
-        return file.read_text()
-    except OSError as exc:
-        if exc.errno in _GONE:
-            raise CgroupGone(f"{file.parent} no longer exists") from exc
-        raise FreezeError(f"cannot read {file}: {exc}") from exc
+        action = "read" if value is None else f"write {value!r} to"
+        raise FreezeError(f"cannot {action} {file}: {exc}") from exc
+    return value
 
 
 def _v2_frozen(directory: Path) -> bool:
-    return "frozen 1" in _read(directory / "cgroup.events").splitlines()
+    return "frozen 1" in _control(directory / "cgroup.events").splitlines()
 
 
 def _v1_state(directory: Path) -> str:
-    return _read(directory / "freezer.state").strip()
+    return _control(directory / "freezer.state").strip()
 
 
 class Freezer:
@@ -276,10 +276,7 @@ class Freezer:
             raise FreezeError(f"no usable freezer for {ref} on {self.layout}")
 
     def _freeze_v2(self, directory: Path) -> None:
-        _write(directory / "cgroup.freeze", "1")
-        if not self._wait(lambda: _v2_frozen(directory)):
-            _write(directory / "cgroup.freeze", "0")
-            raise FreezeTimeout(directory, self.timeout_s)
+        self._freeze(directory / "cgroup.freeze", "1", "0", lambda: _v2_frozen(directory))
 
     def _freeze_v1(self, directory: Path) -> None:
         if not directory.is_dir():
@@ -288,13 +285,23 @@ class Freezer:
         def frozen() -> bool:
             state = _v1_state(directory)
             if state == "FREEZING":  # re-kick tasks that slipped through (forks, wakeups)
-                _write(directory / "freezer.state", "FROZEN")
+                _control(directory / "freezer.state", "FROZEN")
             return state == "FROZEN"
 
-        _write(directory / "freezer.state", "FROZEN")
-        if not self._wait(frozen):
-            _write(directory / "freezer.state", "THAWED")
-            raise FreezeTimeout(directory, self.timeout_s)
+        self._freeze(directory / "freezer.state", "FROZEN", "THAWED", frozen)
+
+    def _freeze(self, file: Path, on: str, off: str, done: Callable[[], bool]) -> None:
+        """Write ``on``, wait for ``done``; on timeout or any error write ``off`` again."""
+        _control(file, on)
+        frozen = False
+        try:
+            frozen = self._wait(done)
+        finally:
+            if not frozen:  # never leave a half-frozen tenant behind
+                with contextlib.suppress(CgroupGone):
+                    _control(file, off)
+        if not frozen:
+            raise FreezeTimeout(file.parent, self.timeout_s)
 
     def thaw(self, ref: CgroupRef) -> None:
         """Thaw a tenant in every hierarchy where it has a cgroup.
@@ -319,7 +326,7 @@ class Freezer:
             if not file.exists():
                 continue  # tenant gone, or a kernel without this freezer
             try:
-                _write(file, value)
+                _control(file, value)
             except CgroupGone:
                 continue
             except FreezeError as exc:

@@ -18,6 +18,7 @@ from typing import Any
 
 from kiwid.config.schema import (
     BACKENDS,
+    GATES,
     LOG_LEVELS,
     MODES,
     ControlSettings,
@@ -114,6 +115,8 @@ _SCHEDULER_RULES = {
 _GPU_RULES = {
     "backend": _choice("backend", BACKENDS),
     "poll_interval": _within("poll_interval", float, "seconds", 0.05, 60),
+    "gate": _choice("gate", GATES),
+    "gate_timeout": _within("gate_timeout", float, "seconds", 0.1, 60),
 }
 _SIM_RULES = {
     "devices": _within("sim_devices", int, "devices", 1, 64),

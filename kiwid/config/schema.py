@@ -18,6 +18,9 @@ MODES = ("exclusive", "auto", "off")
 BACKENDS = ("nvml", "sim")
 """GPU backends, see :attr:`GpuSettings.backend`."""
 
+GATES = ("auto", "freeze", "cuda-lock")
+"""Gate methods, see :attr:`GpuSettings.gate`."""
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 """Log levels, see :attr:`DaemonSettings.log_level`."""
 
@@ -156,6 +159,18 @@ class GpuSettings:
     poll_interval: float = 0.5
     """Seconds between polls of GPU activity and memory. Default 0.5: fine enough to
     notice idleness within ``idle_release``, cheap for NVML. Range 0.05 to 60."""
+
+    gate: str = "auto"
+    """How a waiting tenant is kept off the GPU: ``"freeze"`` freezes its cgroup
+    (its CPU work stops too), ``"cuda-lock"`` takes the driver's process lock (only
+    its CUDA calls stop; needs driver r550+), ``"auto"`` the lock where the driver
+    has it, else the freezer. Default ``"auto"``: a frozen notebook or inference
+    server stops answering, a locked one does not."""
+
+    gate_timeout: float = 2.0
+    """Seconds a gate may take (freeze until the cgroup reports frozen, or the
+    driver's lock) before the tenant is let go again and runs on. Default 2.
+    Range 0.1 to 60."""
 
     sim_devices: int = 1
     """Number of simulated GPUs (``[gpu.sim] devices``) for backend ``"sim"``.

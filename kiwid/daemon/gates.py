@@ -3,6 +3,10 @@
 * ``FreezeGate`` freezes the tenant's cgroup (v2 ``cgroup.freeze``, or the v1
   freezer). A bare process is first moved into a cgroup of its own
   (``/kiwi/pid-N``) so that nothing else is frozen with it.
+* ``CudaLockGate`` takes the driver's process lock on each of the tenant's
+  processes: only their CUDA calls stop, their CPU work goes on. The lock
+  outlives the process that took it, so it is recorded like a freeze and undone
+  by ``kiwid recover`` or the next start.
 * ``NullGate`` gates nothing: kiwid runs without the rights to freeze (not
   root), still schedules and shows the rotation, and says so at start.
 
@@ -12,10 +16,13 @@ undo it from another process (``kiwid recover``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from pathlib import Path
 from typing import Protocol
 
 from kiwid.adapters.cgroups import CgroupLayout, CgroupRef, FreezeError, Freezer, isolate_process
+from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
 from kiwid.daemon.state import GatedRecord
 from kiwid.daemon.tenants import TenantInfo
 
@@ -111,6 +118,63 @@ class FreezeGate:
             raise GateError(f"{record.tenant}: {err}") from err
 
 
+class CudaLockGate:
+    """Lock the CUDA calls of every process of a tenant (driver r550+)."""
+
+    method = "cuda-lock"
+
+    def __init__(self, lock: CudaLock, timeout_s: float = 2.0) -> None:
+        """Use ``lock``; give the driver ``timeout_s`` to drain a process's work."""
+        self._lock = lock
+        self._timeout_ms = max(1, int(timeout_s * 1000))
+
+    def prepare(self, tenant: TenantInfo) -> GatedRecord:
+        """Return the record (the PIDs to unlock)."""
+        ident = tenant.identity
+        return GatedRecord(
+            tenant=ident.key,
+            method=self.method,
+            cgroup_v2=ident.cgroup_v2,
+            cgroup_v1_freezer=ident.cgroup_v1_freezer,
+            pids=tuple(sorted(tenant.pids)),
+        )
+
+    def gate(self, record: GatedRecord) -> None:
+        """Lock every process; if one fails, unlock those already locked.
+
+        Raises:
+            GateError: a process could not be locked (none is left locked).
+        """
+        done: list[int] = []
+        for pid in record.pids:
+            try:
+                self._lock.lock(pid, self._timeout_ms)
+            except CudaLockError as err:
+                for locked in done:
+                    with contextlib.suppress(CudaLockError):
+                        self._lock.unlock(locked)
+                raise GateError(f"{record.tenant}: cannot lock pid {pid}: {err}") from err
+            done.append(pid)
+
+    def ungate(self, record: GatedRecord) -> None:
+        """Unlock every process that is still locked.
+
+        Raises:
+            GateError: a live, locked process refused to unlock.
+        """
+        failed: list[str] = []
+        for pid in record.pids:
+            if not Path(f"/proc/{pid}").exists():
+                continue  # gone: nothing to unlock
+            try:
+                if self._lock.state(pid) is ProcessState.LOCKED:
+                    self._lock.unlock(pid)
+            except CudaLockError as err:
+                failed.append(f"pid {pid}: {err}")
+        if failed:
+            raise GateError(f"{record.tenant}: cannot unlock {'; '.join(failed)}")
+
+
 class NullGate:
     """Gate nothing (no rights to freeze): the schedule is computed and shown only."""
 
@@ -139,5 +203,11 @@ def ungate_record(record: GatedRecord, layout: CgroupLayout | None = None) -> No
     """
     if record.method == "freeze":
         FreezeGate(layout or CgroupLayout.detect()).ungate(record)
+    elif record.method == "cuda-lock":
+        try:
+            lock = CudaLock()
+        except CudaLockError as err:
+            raise GateError(f"{record.tenant}: the CUDA lock is unavailable here: {err}") from err
+        CudaLockGate(lock).ungate(record)
     elif record.method != "none":
         raise GateError(f"{record.tenant}: unknown gate method {record.method!r}")

@@ -16,9 +16,10 @@ log = logging.getLogger("kiwid.tenants")
 def _own_cgroup() -> str | None:
     """Return kiwid's own cgroup; processes that share it are bare processes, not containers."""
     try:
-        return procs.read_proc_cgroup(os.getpid()).v2
+        own = procs.read_proc_cgroup(os.getpid()).v2
     except procs.ProcsError:
         return None
+    return None if own in (None, "", "/") else own  # the root is nobody's own
 
 
 def identify(pid: int) -> Identity | None:

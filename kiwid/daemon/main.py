@@ -19,10 +19,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiwid import __version__
+from kiwid.adapters import cudalock
 from kiwid.adapters.cgroups import CgroupError, CgroupLayout
 from kiwid.adapters.gpu import DriverUnavailable, GpuBackend
 from kiwid.config import ConfigError, Settings, check_config_main, load_config
-from kiwid.daemon.gates import FreezeGate, GateError, NullGate, TenantGate, ungate_record
+from kiwid.daemon.gates import (
+    CudaLockGate,
+    FreezeGate,
+    GateError,
+    NullGate,
+    TenantGate,
+    ungate_record,
+)
 from kiwid.daemon.identify import identify
 from kiwid.daemon.logs import setup_logging
 from kiwid.daemon.runner import STARTUP_FAILURE, Daemon
@@ -63,16 +71,35 @@ def make_backend(settings: Settings) -> GpuBackend:
     return backend
 
 
-def make_gate() -> TenantGate:
-    """The freezer gate where kiwid may freeze (root, cgroups found), else none."""
+def make_gate(settings: Settings) -> TenantGate:
+    """The configured gate: the CUDA lock, the freezer, or none without the rights.
+
+    ``auto`` and ``cuda-lock`` probe the driver's lock at start; without it they
+    fall back to the freezer and say so.
+    """
+    method = settings.gpu.gate
+    timeout = settings.gpu.gate_timeout
     if os.geteuid() != 0:
         log.warning("Not running as root: tenants will be scheduled and shown but not gated")
         return NullGate()
+    if method in ("auto", "cuda-lock"):
+        support = cudalock.probe()
+        if support.available:
+            log.info("Gate: the CUDA driver's process lock (gpu.gate = %s)", method)
+            return CudaLockGate(cudalock.CudaLock(), timeout)
+        level = logging.WARNING if method == "cuda-lock" else logging.INFO
+        log.log(
+            level,
+            "CUDA process lock unavailable (%s): gating with the cgroup freezer",
+            support.reason,
+        )
     try:
-        return FreezeGate(CgroupLayout.detect())
+        gate: TenantGate = FreezeGate(CgroupLayout.detect(), timeout)
     except CgroupError as err:
         log.warning("No usable cgroup freezer (%s): tenants will not be gated", err)
         return NullGate()
+    log.info("Gate: the cgroup freezer")
+    return gate
 
 
 def run(argv: Sequence[str]) -> int:
@@ -100,7 +127,9 @@ def run(argv: Sequence[str]) -> int:
     except DriverUnavailable as err:
         log.error("Cannot start: %s", err)
         return STARTUP_FAILURE
-    daemon = Daemon(args.config, loaded, backend=backend, gate=make_gate(), identify=identify)
+    daemon = Daemon(
+        args.config, loaded, backend=backend, gate=make_gate(loaded.settings), identify=identify
+    )
     return asyncio.run(daemon.run())
 
 

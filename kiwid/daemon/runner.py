@@ -49,6 +49,7 @@ SHORT_TQ_WARNING = (
 RESTART_ONLY = (
     ("gpu.backend", lambda s: s.gpu.backend),
     ("gpu.sim", lambda s: (s.gpu.sim_devices, s.gpu.sim_memory_gib)),
+    ("gpu.gate", lambda s: (s.gpu.gate, s.gpu.gate_timeout)),
     ("control.socket", lambda s: s.control.socket),
     ("control.admin_group", lambda s: s.control.admin_group),
     ("daemon.state_dir", lambda s: s.daemon.state_dir),

@@ -30,6 +30,8 @@ KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
     ("scheduler", "handover_allowance"): ("scheduler", "handover_allowance", "3", 3.0),
     ("gpu", "backend"): ("gpu", "backend", '"sim"', "sim"),
     ("gpu", "poll_interval"): ("gpu", "poll_interval", "0.05", 0.05),
+    ("gpu", "gate"): ("gpu", "gate", '"cuda-lock"', "cuda-lock"),
+    ("gpu", "gate_timeout"): ("gpu", "gate_timeout", "0.5", 0.5),
     ("gpu.sim", "devices"): ("gpu", "sim_devices", "8", 8),
     ("gpu.sim", "memory_gib"): ("gpu", "sim_memory_gib", "141", 141.0),
     ("control", "socket"): ("control", "socket", '"/run/k.sock"', "/run/k.sock"),

@@ -209,7 +209,9 @@ def tenants() -> Iterator[Callable[..., Tenant]]:
     parent = f"kiwi-test-{uuid.uuid4().hex[:8]}"
     made: list[Tenant] = []
 
-    def spawn(name: str, busy: bool = True) -> Tenant:
+    def spawn(name: str, busy: bool = True, v2: bool = True) -> Tenant:
+        """A tenant; with ``v2=False`` it stays in our cgroup2 and has only a v1 freezer one."""
+        in_v2 = v2
         v2 = V2_ROOT / parent / name
         v2.mkdir(parents=True)
         v1 = V1_FREEZER / parent / name if V1_FREEZER.exists() else None
@@ -224,7 +226,8 @@ def tenants() -> Iterator[Callable[..., Tenant]]:
         proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(go_r, ready_w))
         os.close(go_r)
         os.close(ready_w)
-        (v2 / "cgroup.procs").write_text(str(proc.pid))
+        if in_v2:
+            (v2 / "cgroup.procs").write_text(str(proc.pid))
         if v1 is not None:
             (v1 / "cgroup.procs").write_text(str(proc.pid))
         os.write(go_w, b"x")

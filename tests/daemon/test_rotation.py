@@ -7,6 +7,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from tests.daemon.conftest import KIWID, wait_for
 
 
@@ -110,3 +112,27 @@ def test_after_sigkill_recover_thaws_and_a_restart_would_too(start_kiwid, tenant
     k2 = start_kiwid()
     k2.wait_log("left gated by a previous kiwid")
     assert not b.frozen()
+
+
+def test_a_tenant_in_a_v1_freezer_cgroup_only_is_frozen_there(start_kiwid, tenants) -> None:
+    """Hybrid hosts: a container whose cgroup2 path is the root but has a v1 freezer cgroup."""
+    k = start_kiwid(tq=30, poll=0.05)
+    a = tenants("a")
+    b = tenants("b", v2=False)
+    if b.v1 is None:
+        pytest.skip("no cgroup v1 freezer on this host")
+    k.attach(a.pid)
+    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
+    k.attach(b.pid)
+    state = b.v1 / "freezer.state"
+    wait_for(lambda: state.read_text().strip() == "FROZEN", 5, "b frozen in the v1 freezer")
+    a.proc.kill()
+    a.proc.wait()
+    wait_for(lambda: state.read_text().strip() == "THAWED", 5, "b thawed when a exits")
+
+
+def test_gate_choice_is_logged_and_falls_back_to_the_freezer(start_kiwid) -> None:
+    k = start_kiwid()
+    k.wait_log("CUDA process lock unavailable")
+    k.wait_log("Gate: the cgroup freezer")
+    assert k.status()["gate"] == "freeze"

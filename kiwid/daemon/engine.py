@@ -133,6 +133,7 @@ class Engine:
         record = self.state.records.get(tenant)
         if record is not None:
             await self._ungate(record)
+        await self._run(lambda _: self.gate.forget(tenant), None)
 
     async def _run(self, fn: Callable[[object], None], arg: object) -> None:
         loop = asyncio.get_running_loop()

@@ -21,7 +21,14 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from kiwid.adapters.cgroups import CgroupLayout, CgroupRef, FreezeError, Freezer, isolate_process
+from kiwid.adapters.cgroups import (
+    CgroupLayout,
+    CgroupRef,
+    FreezeError,
+    Freezer,
+    isolate_process,
+    remove_isolation,
+)
 from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
 from kiwid.daemon.state import GatedRecord
 from kiwid.daemon.tenants import TenantInfo
@@ -58,6 +65,10 @@ class TenantGate(Protocol):
         """
         ...
 
+    def forget(self, tenant: str) -> None:
+        """The tenant is gone: drop whatever the gate made for it."""
+        ...
+
 
 class FreezeGate:
     """Freeze a tenant's cgroup."""
@@ -68,6 +79,7 @@ class FreezeGate:
         """Use the cgroup hierarchies of ``layout``; wait ``timeout_s`` for a freeze."""
         self._layout = layout
         self._freezer = Freezer(layout, timeout_s=timeout_s)
+        self._isolated: dict[str, CgroupRef] = {}
 
     def prepare(self, tenant: TenantInfo) -> GatedRecord:
         """Return the record; a bare process is moved into a cgroup of its own.
@@ -83,10 +95,11 @@ class FreezeGate:
                 raise GateError(f"{ident.key}: a shared cgroup with several processes")
             (pid,) = tenant.pids
             try:
-                ref = isolate_process(pid, self._layout)
+                ref = self._isolated.get(ident.key) or isolate_process(pid, self._layout)
             except (OSError, FreezeError) as err:
                 msg = f"{ident.key}: cannot move it into a cgroup of its own: {err}"
                 raise GateError(msg) from err
+            self._isolated[ident.key] = ref
         return GatedRecord(
             tenant=ident.key,
             method=self.method,
@@ -116,6 +129,13 @@ class FreezeGate:
             self._freezer.thaw(_ref(record))
         except (OSError, FreezeError) as err:
             raise GateError(f"{record.tenant}: {err}") from err
+
+    def forget(self, tenant: str) -> None:
+        """Remove the cgroup a bare process was moved into, once it is empty."""
+        ref = self._isolated.pop(tenant, None)
+        if ref is not None:
+            with contextlib.suppress(OSError, FreezeError):
+                remove_isolation(ref, self._layout)
 
 
 class CudaLockGate:
@@ -174,6 +194,9 @@ class CudaLockGate:
         if failed:
             raise GateError(f"{record.tenant}: cannot unlock {'; '.join(failed)}")
 
+    def forget(self, tenant: str) -> None:
+        """Nothing to drop: the lock lives in the driver and ends with the process."""
+
 
 class NullGate:
     """Gate nothing (no rights to freeze): the schedule is computed and shown only."""
@@ -188,6 +211,9 @@ class NullGate:
         """Do nothing."""
 
     def ungate(self, record: GatedRecord) -> None:
+        """Do nothing."""
+
+    def forget(self, tenant: str) -> None:
         """Do nothing."""
 
 

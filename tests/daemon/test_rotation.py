@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.daemon.conftest import KIWID, wait_for
+from tests.daemon.conftest import KIWID, V2_ROOT, wait_for
 
 
 def holder(k) -> str | None:
@@ -136,3 +138,27 @@ def test_gate_choice_is_logged_and_falls_back_to_the_freezer(start_kiwid) -> Non
     k.wait_log("CUDA process lock unavailable")
     k.wait_log("Gate: the cgroup freezer")
     assert k.status()["gate"] == "freeze"
+
+
+def test_bare_processes_are_isolated_frozen_alone_and_cleaned_up(start_kiwid, workdir) -> None:
+    k = start_kiwid(tq=30, poll=0.05)
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        a, b = procs
+        k.attach(a.pid)
+        wait_for(lambda: holder(k) == f"pid:{a.pid}", 5, "a to hold the GPU")
+        k.attach(b.pid)
+        cgroup = V2_ROOT / "kiwi" / f"pid-{b.pid}"
+        wait_for(
+            lambda: cgroup.exists() and "frozen 1" in (cgroup / "cgroup.events").read_text(),
+            5,
+            "b isolated and frozen",
+        )
+        assert f"0::/kiwi/pid-{b.pid}" in Path(f"/proc/{b.pid}/cgroup").read_text()
+        b.kill()
+        b.wait()
+        wait_for(lambda: not cgroup.exists(), 5, "the isolation cgroup to be removed")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

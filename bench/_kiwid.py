@@ -7,6 +7,7 @@ socket and state directory, spawns tenant processes, and cleans all of it up.
 from __future__ import annotations
 
 import contextlib
+import grp
 import math
 import os
 import platform
@@ -57,6 +58,14 @@ def raise_nofile(want: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _own_group() -> str:
+    """Our primary group's name: kiwid lets it use sim-attach without root."""
+    try:
+        return grp.getgrgid(os.getgid()).gr_name
+    except KeyError:
+        return "kiwi"
+
+
 class Kiwid:
     """A kiwid child process on a private socket; use as a context manager."""
 
@@ -76,7 +85,7 @@ class Kiwid:
             f"[scheduler]\ntq = {tq}\n"
             f'[gpu]\nbackend = "sim"\npoll_interval = {poll_interval}\n'
             f"[gpu.sim]\ndevices = {devices}\nmemory_gib = 80\n"
-            f'[control]\nsocket = "{self.sock}"\n'
+            f'[control]\nsocket = "{self.sock}"\nadmin_group = "{_own_group()}"\n'
             f'[daemon]\nstate_dir = "{self.dir / "state"}"\n'
         )
         self._profile = profile

@@ -4,7 +4,8 @@
 with 1 GiB each (activity "cpu": a sleeping process is idle). Once kiwid lists all
 512 tenants, its CPU use (utime + stime from /proc/PID/stat over 20 s of wall
 time, in % of one core) and its RSS (VmRSS) are measured. Targets: < 1% of a
-core, < 60 MB. With ``--busy N``, a second phase replaces N of the sleepers (the
+core, < 60 MB. Then the round trip of kiwictl-style pings (no target here: see
+control_rtt.py). With ``--busy N``, a second phase replaces N of the sleepers (the
 first N, so one per GPU while N <= 8) by busy loops and measures again.
 Prints the machine it ran on.
 """
@@ -12,6 +13,7 @@ Prints the machine it ran on.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from _kiwid import (
     cpu_seconds,
     exit_on_sigterm,
     machine,
+    percentiles,
     raise_nofile,
     rss_bytes,
 )
@@ -65,6 +68,18 @@ def measure(kiwid: Kiwid, seconds: float, label: str) -> None:
     )
 
 
+def ping_latency(kiwid: Kiwid, count: int, label: str) -> None:
+    """Print the round trip of ``count`` pings, one connection each (as kiwictl)."""
+    ms: list[float] = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        kiwid.request("ping")
+        ms.append((time.perf_counter() - t0) * 1000)
+        time.sleep(0.02)
+    p50, p99, top = percentiles(ms, (50, 99, 100))
+    print(f"{label}: kiwictl-style ping round trip ms: p50 {p50:.1f}  p99 {p99:.1f}  max {top:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=8)
@@ -72,6 +87,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="measuring window")
     parser.add_argument("--poll", type=float, default=0.5, help="kiwid's gpu.poll_interval")
     parser.add_argument("--busy", type=int, default=0, help="second phase: N busy tenants")
+    parser.add_argument("--pings", type=int, default=40, help="pings after each window")
     parser.add_argument(
         "--profile", type=Path, help="run kiwid under cProfile, write its profile here"
     )
@@ -97,6 +113,7 @@ def main() -> None:
             f"attached in {attached:.1f} s, all listed {seen:.1f} s later"
         )
         measure(kiwid, args.seconds, f"idle, {count} tenants")
+        ping_latency(kiwid, args.pings, f"idle, {count} tenants")
         if args.busy:
             for i in range(min(args.busy, count)):
                 old_pid, gpu = slots[i]
@@ -108,12 +125,14 @@ def main() -> None:
                 kiwid.request("sim-attach", args_)
             seen = wait_for(kiwid, count, min(args.busy, count), 60.0)
             gpus = len({gpu for _, gpu in slots[: args.busy]})
-            measure(
-                kiwid,
-                args.seconds,
-                f"busy, {count} tenants of which {args.busy} busy (python busy loop) "
-                f"on {gpus} GPUs",
-            )
+            label = f"busy, {count} tenants of which {args.busy} busy on {gpus} GPUs"
+            if args.busy >= len(os.sched_getaffinity(0)):
+                print(
+                    f"note: {args.busy} busy loops on {len(os.sched_getaffinity(0))} cores: "
+                    "kiwid competes with them for CPU, so its share (and poll rate) is capped"
+                )
+            measure(kiwid, args.seconds, label)
+            ping_latency(kiwid, args.pings, label)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,20 @@ def machine() -> str:
     affinity = len(os.sched_getaffinity(0))
     return (
         f"machine: {platform.node()}, {cpu}, {cores} cores ({affinity} usable), "
-        f"{platform.system()} {platform.release()}, python {platform.python_version()}"
+        f"{platform.system()} {platform.release()}, python {platform.python_version()}, "
+        f"{_busy_pct():.0f}% CPU busy in the second before the run"
     )
+
+
+def _busy_pct(seconds: float = 1.0) -> float:
+    """How busy all CPUs were over ``seconds`` (other load skews every figure)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields[:8]), fields[3] + fields[4]  # total, idle + iowait
+
+    (total0, idle0), _, (total1, idle1) = sample(), time.sleep(seconds), sample()
+    return 100 * (1 - (idle1 - idle0) / max(total1 - total0, 1))
 
 
 def raise_nofile(want: int) -> None:

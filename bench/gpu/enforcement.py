@@ -48,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -460,6 +461,13 @@ class Kiwid:
         except Exception as exc:
             return {"error": str(exc)}
 
+    def attach_sim(self, pid: int) -> None:
+        """Rehearsal: make ``pid`` an always-busy tenant of the simulated GPU 0."""
+        from kiwid.adapters.control import request  # noqa: PLC0415 - needs the repo path
+
+        args = {"pid": pid, "gpu": 0, "memory_bytes": 2**30, "activity": "active"}
+        request(SOCK, "sim-attach", args, timeout_s=5.0)
+
     def stop(self) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -486,10 +494,12 @@ class NvmlSampler(threading.Thread):
         self.active: dict[int, set[int]] = {}
         self.queries = 0
         self.errors: list[str] = []
+        self.clock: str | None = None  # which clock NVML's time stamps follow
+        self.mono_offset = 0.0  # NVML time stamp (s) minus CLOCK_MONOTONIC, from the samples
         self._halt = threading.Event()  # not _stop: threading.Thread has a _stop method
 
     def run(self) -> None:
-        newest = int(time.time() * 1e6) - NVML_LOOKBACK_US
+        newest = 0  # the first query returns each process's latest sample, on any clock
         while not self._halt.wait(NVML_PERIOD_S):
             self.queries += 1
             try:
@@ -500,6 +510,12 @@ class NvmlSampler(threading.Thread):
                 if "not found" not in str(exc).lower() and len(self.errors) < 5:
                     self.errors.append(str(exc))
                 continue
+            if self.clock is None and samples:
+                stamp = max(int(x.timeStamp) for x in samples) / 1e6
+                wall, mono = time.time(), time.monotonic()
+                self.clock = "wall" if abs(stamp - wall) < 30 else "monotonic?"
+                self.clock = "monotonic" if abs(stamp - mono) < 30 else self.clock
+                self.mono_offset = stamp - mono  # a rough fallback (sample lag included)
             for sample in samples:
                 newest = max(newest, int(sample.timeStamp))
                 if sample.smUtil > 0:
@@ -510,13 +526,42 @@ class NvmlSampler(threading.Thread):
         self.join(2)
 
 
+class FakeNvml:
+    """Rehearsal stand-in for pynvml: a live worker is busy unless its cgroup is frozen."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, bench: Bench, period_us: int = 166_000) -> None:
+        self.bench = bench
+        self.period_us = period_us
+
+    def nvmlDeviceGetProcessUtilization(self, handle: object, last_seen: int) -> list[Any]:
+        now = int(time.time() * 1e6)
+        stamp = now - now % self.period_us
+        out = [
+            types.SimpleNamespace(pid=w.pid, timeStamp=stamp, smUtil=50)
+            for w in list(self.bench.live)
+            if stamp > last_seen and w.proc.poll() is None and not w.cgroup.frozen()
+        ]
+        if not out:
+            raise self.NVMLError("Not Found")
+        return out
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+
 # --------------------------------------------------------------------- analysis
 
 
-def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge(
+    intervals: Iterable[tuple[float, float]], slack: float = 0.0
+) -> list[tuple[float, float]]:
+    """Union of intervals; ones less than ``slack`` apart are joined too."""
     out: list[tuple[float, float]] = []
     for lo, hi in sorted(intervals):
-        if out and lo <= out[-1][1]:
+        if out and lo <= out[-1][1] + slack:
             out[-1] = (out[-1][0], max(out[-1][1], hi))
         else:
             out.append((lo, hi))
@@ -524,12 +569,12 @@ def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]
 
 
 def overlap(
-    per_tenant: Sequence[Sequence[tuple[float, float]]], lo: float, hi: float
+    per_tenant: Sequence[Sequence[tuple[float, float]]], lo: float, hi: float, slack: float = 0.0
 ) -> tuple[float, float]:
     """Longest stretch and total time within [lo, hi] when >= 2 tenants were active."""
     events: list[tuple[float, int]] = []
     for intervals in per_tenant:
-        for start, end in merge(intervals):
+        for start, end in merge(intervals, slack):
             a, b = max(start, lo), min(end, hi)
             if a < b:
                 events += [(a, 1), (b, -1)]
@@ -627,7 +672,8 @@ def nvml_corun(
         wanted, note = list(active), "NVML PIDs differ from the workers' (PID namespace?): used all"
     per = period or 0.2
     intervals = [[(ts / 1e6 - per, ts / 1e6) for ts in active[p]] for p in wanted]
-    longest, total = overlap(intervals, lo_wall, hi_wall)
+    # consecutive samples of one PID up to 1.5 periods apart: busy all along (jitter)
+    longest, total = overlap(intervals, lo_wall, hi_wall, slack=per / 2)
     samples = sum(1 for p in wanted for ts in active[p] if lo_wall <= ts / 1e6 <= hi_wall)
     return {
         "longest_ms": round(longest * 1e3, 1),
@@ -775,6 +821,9 @@ class Bench:
             t_go = time.monotonic()
             for w in workers:
                 w.send(b"g")
+            if self.args.rehearse and self.kiwid is not None:
+                for w in workers:  # the simulated GPU sees them as always busy
+                    self.kiwid.attach_sim(w.pid)
             lo, hi = t_go + s.warmup, t_go + s.warmup + s.window
             log(
                 f"  go: {s.workers} worker(s), pids {[w.pid for w in workers]}; "
@@ -787,7 +836,14 @@ class Bench:
             self._watch(workers, lo, hi, result)
             if sampler is not None:
                 sampler.stop()
-            self._analyse(s, workers, result, lo, hi, offset, sampler)
+            kiwid = self.kiwid
+            if kiwid is not None:
+                result.details["kiwid_log"] = str(kiwid.logfile)
+                # Stopping kiwid ungates everyone; a worker writes the line of its last
+                # iteration before a stall only once it runs again, so let them run a bit.
+                self.stop_kiwid()
+                time.sleep(0.3)
+            self._analyse(s, workers, result, lo, hi, offset, sampler, kiwid)
         except BenchError as exc:
             result.status = "error"
             result.details["error"] = str(exc)
@@ -845,6 +901,7 @@ class Bench:
         hi: float,
         offset: float,
         sampler: NvmlSampler | None,
+        kiwid: Kiwid | None,
     ) -> None:
         points = [read_progress(w.progress) for w in workers]
         result.rates = [rate(p, lo, hi) for p in points]
@@ -869,13 +926,18 @@ class Bench:
                 "min": round(min(hand), 2),
             }
         if sampler is not None:
+            if sampler.clock == "monotonic":
+                offset = 0.0
+            elif sampler.clock not in (None, "wall"):
+                offset = sampler.mono_offset
             d["nvml"] = nvml_corun(
                 sampler.active, [w.pid for w in workers], lo + offset, hi + offset
             )
+            d["nvml"]["clock"] = sampler.clock
             d["nvml"]["queries"] = sampler.queries
             d["nvml"]["errors"] = sampler.errors
-        if self.kiwid is not None:
-            events = self.kiwid.events(lo, hi)
+        if kiwid is not None:
+            events = kiwid.events(lo, hi)
             names = {f"cgroup:/{w.cgroup.name}": w.label for w in workers}
             d["kiwid_events_in_window"] = {
                 "gated": sum(1 for e in events if e[1] == "Gated"),
@@ -883,7 +945,7 @@ class Bench:
                 "tenants": sorted({names.get(e[2], e[2]) for e in events}),
             }
             d["kiwid_warnings"] = [
-                line for _, line in self.kiwid.lines if "[WARNING]" in line or "[ERROR]" in line
+                line for _, line in kiwid.lines if "[WARNING]" in line or "[ERROR]" in line
             ][:20]
             if not events:
                 d.setdefault("notes", []).append("kiwid logged no Gated/Ungated line in the window")
@@ -1218,8 +1280,8 @@ def main() -> int:
     parser.add_argument(
         "--rehearse",
         action="store_true",
-        help="no CUDA: every scenario with sleep-based workers and kiwid's simulated backend "
-        "(nothing is gated); tests this script's own plumbing",
+        help="no CUDA: every scenario with sleep-based workers, kiwid on its simulated GPU "
+        "(workers attached as always busy, so kiwid freezes them in turn); tests the plumbing",
     )
     args = parser.parse_args()
 
@@ -1227,6 +1289,7 @@ def main() -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with it ignored
     gates = [g for g in args.gates.split(",") if g]
     bad = [g for g in gates if g not in GATES]
     if bad:
@@ -1240,7 +1303,7 @@ def main() -> int:
     mode = (
         " (DRY RUN)"
         if args.dry_run
-        else " (REHEARSAL: no GPU, nothing gated)"
+        else " (REHEARSAL: no GPU, simulated kiwid)"
         if args.rehearse
         else ""
     )
@@ -1290,7 +1353,9 @@ def main() -> int:
                 f"{errors} failure(s), {warnings} warning(s)"
             )
             return 1 if errors else 0
-        if not args.rehearse:
+        if args.rehearse:
+            bench.nvml = FakeNvml(bench)
+        else:
             import pynvml  # noqa: PLC0415 - only on the GPU machine
 
             pynvml.nvmlInit()
@@ -1299,13 +1364,13 @@ def main() -> int:
                 f"GPU 0: {pynvml.nvmlDeviceGetName(bench.handle)}, "
                 f"driver {pynvml.nvmlSystemGetDriverVersion()}"
             )
+        if scenarios:  # their torch imports overlap the kiwid config checks
+            bench.spawn(scenarios[0].workers)
         wanted = any(s.kiwid for s in scenarios)
         verdict = prepare_configs(bench, gates, sim=args.rehearse, probe=True) if wanted else {}
         if args.rehearse:  # the simulated backend has no CUDA lock: run its scenarios anyway
-            verdict = dict.fromkeys(verdict, None)
+            verdict = {g: None if v and "another gate" in v else v for g, v in verdict.items()}
         runnable = [s for s in scenarios if not s.kiwid or verdict.get(s.gate or "") is None]
-        if runnable:
-            bench.spawn(runnable[0].workers)
         overhead = {True: overhead_guess(True), False: overhead_guess(False)}
         for s in scenarios:
             if s not in runnable:

@@ -41,6 +41,8 @@ class Engine:
         self._clock = clock
         self._lock = asyncio.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiwid-gate")
+        self.generation = 0
+        """Bumped by every change (event or reload), so that readers can cache."""
         self.gate_failures: dict[str, str] = {}
         """Tenants the scheduler wanted gated but that could not be: they run on."""
 
@@ -48,6 +50,7 @@ class Engine:
         """Feed ``events`` to the scheduler and carry out its actions, in order."""
         async with self._lock:
             for event in events:
+                self.generation += 1
                 actions = self.scheduler.handle(event, self._clock())
                 if isinstance(event, TenantDetached):
                     await self._forget(event.tenant)

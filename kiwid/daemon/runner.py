@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kiwid import __version__
 from kiwid.adapters.control import ControlError, ControlServer, Peer, SocketInUse
 from kiwid.adapters.gpu import DeviceInfo, GpuBackend, GpuBackendError, GpuLost
 from kiwid.adapters.notify import Notifier
@@ -39,6 +40,7 @@ from kiwid.daemon.tenants import GpuSample, Identity, TenantTracker
 
 log = logging.getLogger("kiwid")
 
+STATUS_MAX_AGE_S = 0.1
 RUNTIME_FAILURE = 1
 STARTUP_FAILURE = 3
 SHORT_TQ_WARNING = (
@@ -95,6 +97,7 @@ class Daemon:
         self._server: ControlServer | None = None
         self._watcher: ConfigWatcher | None = None
         self._last_status_line = ""
+        self._status_cache: tuple[float, int, dict[str, Any]] | None = None
         for warning in loaded.warnings:
             log.warning("%s: %s", config_path, warning)
 
@@ -313,11 +316,13 @@ class Daemon:
     async def reload(self, reason: str) -> bool:
         """The reload transaction: parse and validate, then swap, or keep the old."""
         self.notifier.reloading()
+        self._status_cache = None
         log.info("Reloading %s (%s)", self.config_path, reason)
         try:
             loaded = load_config(self.config_path)
         except ConfigError as err:
             self._last_reload = {"ok": False, "at_unix": time.time(), "error": str(err)}
+            self._status_cache = None
             log.error("Reload failed; the running configuration stays in force:\n%s", err)
             self.notifier.ready(f"reload failed, running configuration kept: {err}")
             return False
@@ -361,6 +366,20 @@ class Daemon:
 
     # ------------------------------------------------------------ control
 
+    def _cached_status(self) -> dict[str, Any]:
+        """The status, rebuilt at most every STATUS_MAX_AGE_S unless something changed.
+
+        A hundred ``kiwictl status`` callers at once then cost one build, not a
+        hundred; the times in it are at most that old.
+        """
+        now = self._clock()
+        generation = self.engine.generation
+        cached = self._status_cache
+        if cached is None or cached[1] != generation or now - cached[0] > STATUS_MAX_AGE_S:
+            self._status_cache = (now, generation, self.status())
+        assert self._status_cache is not None
+        return self._status_cache[2]
+
     def status(self) -> dict[str, Any]:
         """The status object (protocol v1)."""
         return build_status(
@@ -387,9 +406,9 @@ class Daemon:
             ControlError: the request is refused; its code and message say why.
         """
         if cmd == "ping":
-            return {"version": self.status()["version"]}
+            return {"version": __version__}
         if cmd == "status":
-            return self.status()
+            return self._cached_status()
         if cmd == "tenants":
             view = self.engine.scheduler.view(self._clock())
             return {

@@ -67,6 +67,8 @@ GAP_S = 0.05  # an iteration slower than this is a stall (gated); iterations tak
 NVML_PERIOD_S = 0.05
 NVML_LOOKBACK_US = 500_000
 HANDOVER_TOLERANCE_S = 0.5
+DEPS_DIR = HERE / "_deps"  # kiwid's own dependencies, copied by --vendor-deps (git-ignored)
+EXTRA_PATHS: list[str] = []  # put on sys.path here and on kiwid's PYTHONPATH
 T0 = time.monotonic()
 
 if str(REPO) not in sys.path:
@@ -331,12 +333,10 @@ def read_progress(path: Path) -> list[tuple[float, int]]:
 
 
 def kiwid_env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH")
-    return dict(
-        os.environ,
-        PYTHONPATH=f"{REPO}{os.pathsep}{path}" if path else str(REPO),
-        PYTHONUNBUFFERED="1",
-    )
+    paths = [str(REPO), *EXTRA_PATHS]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
 
 
 def kiwid_cmd(*args: str) -> list[str]:
@@ -782,12 +782,13 @@ class Bench:
 
     # kiwid --------------------------------------------------------------
     def stop_kiwid(self) -> None:
+        """SIGTERM kiwid and wait, then ``kiwid recover`` (nothing if none runs)."""
         if self.kiwid is not None:
             rc = self.kiwid.stop()
             if rc not in (0, None):
                 log(f"warning: kiwid exited {rc}:\n{self.kiwid.tail(6)}")
             self.kiwid = None
-        kiwid_recover()
+            kiwid_recover()
 
     # one scenario -------------------------------------------------------
     def run(self, s: Scenario, upcoming: Scenario | None) -> Result:
@@ -966,7 +967,7 @@ class Bench:
 
     def close(self) -> None:
         """Undo everything; every step guarded."""
-        for step in (self.stop_kiwid, self._kill_all, self._remove_stale):
+        for step in (self.stop_kiwid, kiwid_recover, self._kill_all, self._remove_stale):
             try:
                 step()
             except Exception as exc:
@@ -1067,8 +1068,31 @@ PIP_HINT = (
     "kiwid needs the Python packages psutil, sdnotify and watchdog in this python ({exe}).\n"
     "  Install them:   {exe} -m pip install psutil sdnotify watchdog\n"
     "  Without internet, from carried wheels:\n"
-    "    {exe} -m pip install --no-index --find-links WHEEL_DIR psutil sdnotify watchdog"
+    "    {exe} -m pip install --no-index --find-links WHEEL_DIR psutil sdnotify watchdog\n"
+    "  or, on a machine that has them, run this script with --vendor-deps and carry\n"
+    "  bench/gpu/_deps along (it is put on the path when present; see --deps)"
 )
+
+
+def vendor_deps(target: Path) -> int:
+    """Copy kiwid's dependencies from this python into ``target`` (for a machine without)."""
+    import platform  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    target.mkdir(parents=True, exist_ok=True)
+    for name in KIWID_DEPS:
+        module = __import__(name)
+        source = Path(module.__file__ or "").parent
+        shutil.copytree(
+            source, target / name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+        )
+        log(f"copied {name} {getattr(module, '__version__', '')} from {source}")
+    binaries = sorted(p.name for p in target.rglob("*.so"))
+    log(
+        f"{target}: compiled parts {binaries} for {platform.machine()} "
+        "(psutil's is abi3: any CPython >= 3.6 on the same CPU architecture and glibc)"
+    )
+    return 0
 
 
 def prepare_configs(
@@ -1278,12 +1302,29 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="output folder (default $OUT/kiwi-enforcement)")
     parser.add_argument("--dry-run", action="store_true", help="no CUDA: checks and the plan")
     parser.add_argument(
+        "--deps",
+        type=Path,
+        default=DEPS_DIR,
+        help="folder with psutil, sdnotify, watchdog for kiwid, used if present "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--vendor-deps",
+        action="store_true",
+        help="copy kiwid's dependencies from this python into --deps, then exit",
+    )
+    parser.add_argument(
         "--rehearse",
         action="store_true",
         help="no CUDA: every scenario with sleep-based workers, kiwid on its simulated GPU "
         "(workers attached as always busy, so kiwid freezes them in turn); tests the plumbing",
     )
     args = parser.parse_args()
+    if args.vendor_deps:
+        return vendor_deps(args.deps)
+    if args.deps.is_dir():
+        EXTRA_PATHS.append(str(args.deps))
+        sys.path.insert(0, str(args.deps))
 
     def _sigterm(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
@@ -1309,6 +1350,8 @@ def main() -> int:
     )
     log(f"kiwi GPU enforcement bench{mode}: python {sys.version.split()[0]} ({sys.executable})")
     log(f"repo {REPO}; output {outdir}; work dir {WORK}")
+    if EXTRA_PATHS:
+        log(f"kiwid's dependencies also from {EXTRA_PATHS[0]}")
     est = sum(s.warmup + s.window + overhead_guess(s.kiwid) for s in scenarios) + 10
     log(f"plan ({len(scenarios)} scenarios, ~{est:.0f} s estimated, budget {args.budget:g} s):")
     for s in scenarios:
@@ -1387,7 +1430,7 @@ def main() -> int:
             started = time.monotonic()
             results.append(bench.run(s, upcoming))
             spent = time.monotonic() - started - s.warmup - s.window
-            overhead[s.kiwid] = max(overhead[s.kiwid], spent)
+            overhead[s.kiwid] = spent + 1.0  # the latest, plus a margin (the first has imports)
             log(f"   ({time.monotonic() - started:.1f} s, of which {spent:.1f} s set-up/teardown)")
     except KeyboardInterrupt:
         log("interrupted; cleaning up")

@@ -170,7 +170,8 @@ class SimBackend:
             One record per (process, GPU) attachment.
         """
         with self._lock:
-            self._prune()
+            for index in range(len(self._devices)):
+                self._prune(index)
             return [
                 SimAttachment(pid, index, entry.used_memory_bytes, entry.activity)
                 for (pid, index), entry in sorted(self._entries.items(), key=lambda kv: kv[0][::-1])
@@ -204,7 +205,7 @@ class SimBackend:
         """
         with self._lock:
             self._check_query(index)
-            self._prune()
+            self._prune(index)
             return [
                 GpuProcess(pid, entry.used_memory_bytes)
                 for (pid, i), entry in sorted(self._entries.items())
@@ -231,7 +232,7 @@ class SimBackend:
         """
         with self._lock:
             self._check_query(index)
-            self._prune()
+            self._prune(index)
             now = self._clock()
             active: set[int] = set()
             for (pid, i), entry in self._entries.items():
@@ -269,9 +270,14 @@ class SimBackend:
         if index in self._lost:
             raise GpuLost(index, "simulated loss")
 
-    def _prune(self) -> None:
-        """Drop attachments whose process exited or whose PID was reused (lock held)."""
+    def _prune(self, index: int) -> None:
+        """Drop a GPU's attachments whose process exited or whose PID was reused.
+
+        Only that GPU's: the daemon queries every GPU each poll (lock held).
+        """
         for key, entry in list(self._entries.items()):
+            if key[1] != index:
+                continue
             stat = _read_stat(key[0])
             if stat is None or stat[1] != entry.start_ticks:
                 del self._entries[key]

@@ -114,9 +114,9 @@ class Kiwid:
         else:  # under cProfile (main thread only); written when kiwid stops on SIGTERM
             cmd = [sys.executable, "-m", "cProfile", "-o", str(self._profile)]
             cmd += ["-m", "kiwid", "--config", str(self.config)]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=log, stdout=log)
         try:
+            with open(self.log, "wb") as log:
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=log, stdout=log)
             self._wait_ready(15.0)
         except BaseException:
             self.stop()

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
 
-REPO = Path(__file__).resolve().parent.parent
 KIWID = Path(sys.executable).with_name("kiwid")
 GIB = 2**30
 CGROUP_ROOT = Path("/sys/fs/cgroup")

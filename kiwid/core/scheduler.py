@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -38,12 +39,24 @@ from kiwid.core.events import (
     Tick,
     Ungate,
 )
+from kiwid.core.ledger import Ledger, LedgerView
 from kiwid.core.model import GpuId, GpuPolicy, Mode, TenantId, TenantState
 from kiwid.core.states import Trigger, transition
 from kiwid.core.view import GpuView, SchedulerView, TenantView, WaiterView
 
 S = TenantState
 _NO_GPU: GpuId = ""  # index key for tenants attached to no GPU
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One tenant state change, for the daemon's log (the story of a rotation)."""
+
+    tenant: TenantId
+    old: TenantState
+    new: TenantState
+    trigger: Trigger
+    at: float
 
 
 @dataclass
@@ -58,6 +71,7 @@ class _Tenant:
     last_active: float | None = None
     granted_at: float | None = None
     footprint: dict[GpuId, int | None] = field(default_factory=dict)
+    ledger: Ledger = field(default_factory=Ledger)
 
     @property
     def bursting(self) -> bool:
@@ -77,6 +91,8 @@ class Scheduler:
         self._default = default_policy or GpuPolicy()
         self._tenants: dict[TenantId, _Tenant] = {}
         self._by_gpu: dict[GpuId, set[TenantId]] = {}
+        # Bounded: a caller that never drains (a benchmark) must not grow it forever.
+        self._transitions: deque[Transition] = deque(maxlen=4096)
         self._seq = itertools.count()
         self._now = -math.inf
         # Per GPU, the earliest time one of its tenants needs a Tick. It may be
@@ -94,6 +110,17 @@ class Scheduler:
         """
         now = max(now, self._now)
         self._now = now
+        # The two events of every poll first, without allocation when nothing changes.
+        kind = type(event)
+        if kind is ActivitySeen:
+            known = self._tenants.get(event.tenant)  # type: ignore[union-attr]
+            if known is not None and known.state is not S.IDLE:
+                known.last_active = now
+                return []
+        elif kind is FootprintSeen:
+            known = self._tenants.get(event.tenant)  # type: ignore[union-attr]
+            if known is None or known.footprint.get(event.gpu, -1) == event.used_bytes:  # type: ignore[union-attr]
+                return []
         actions: list[Action] = []
         # Most events touch the GPUs of one tenant only: reconcile just those
         # (``scope``); ``None`` means every GPU. The two hot events of every
@@ -144,6 +171,17 @@ class Scheduler:
         """Return when the core next needs a ``Tick`` (monotonic s), or ``None``."""
         return min(self._gpu_deadline.values(), default=None)
 
+    def drain_transitions(self) -> list[Transition]:
+        """Return (and forget) the state changes since the last call, oldest first."""
+        out = list(self._transitions)
+        self._transitions.clear()
+        return out
+
+    def ledger(self, tenant: TenantId, now: float) -> LedgerView | None:
+        """Return one tenant's ledger at ``now`` (``None``: unknown tenant)."""
+        t = self._tenants.get(tenant)
+        return None if t is None else t.ledger.view(t.state, t.state_since, now)
+
     def policy(self, gpu: GpuId) -> GpuPolicy | None:
         """Return the policy in force on ``gpu`` (``None``: not managed)."""
         return self._policies.get(gpu)
@@ -189,6 +227,7 @@ class Scheduler:
                 gpus=t.gpus,
                 last_active=t.last_active,
                 footprint=dict(t.footprint),
+                ledger=t.ledger.view(t.state, t.state_since, now),
             )
             for t in sorted(self._tenants.values(), key=lambda t: t.id)
         )
@@ -265,7 +304,17 @@ class Scheduler:
         return sorted(wanting, key=lambda t: t.seq)
 
     def _set_state(self, tenant: _Tenant, trigger: Trigger, now: float) -> None:
-        tenant.state = transition(tenant.state, trigger)
+        new = transition(tenant.state, trigger)
+        ledger = tenant.ledger
+        ledger.close(tenant.state, tenant.state_since, now)
+        if new is S.HOLDER:
+            ledger.quanta += 1
+        elif trigger is Trigger.PREEMPTED:
+            ledger.preempted += 1
+        elif trigger is Trigger.IDLE_TIMEOUT and tenant.state is S.HOLDER:
+            ledger.early_releases += 1
+        self._transitions.append(Transition(tenant.id, tenant.state, new, trigger, now))
+        tenant.state = new
         tenant.state_since = now
 
     def _start_burst(self, tenant: _Tenant, now: float, actions: list[Action]) -> None:

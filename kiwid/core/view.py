@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kiwid.core.ledger import LedgerView
 from kiwid.core.model import GpuId, GpuPolicy, TenantId, TenantState
 
 
@@ -45,6 +46,7 @@ class TenantView:
     gpus: frozenset[GpuId]
     last_active: float | None
     footprint: Mapping[GpuId, int | None]
+    ledger: LedgerView
 
 
 @dataclass(frozen=True)

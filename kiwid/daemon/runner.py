@@ -98,6 +98,8 @@ class Daemon:
         self._watcher: ConfigWatcher | None = None
         self._last_status_line = ""
         self._status_cache: tuple[float, int, dict[str, Any]] | None = None
+        self._reloads = {"ok": 0, "failed": 0}
+        self._started = clock()
         for warning in loaded.warnings:
             log.warning("%s: %s", config_path, warning)
 
@@ -322,6 +324,7 @@ class Daemon:
             loaded = load_config(self.config_path)
         except ConfigError as err:
             self._last_reload = {"ok": False, "at_unix": time.time(), "error": str(err)}
+            self._reloads["failed"] += 1
             self._status_cache = None
             log.error("Reload failed; the running configuration stays in force:\n%s", err)
             self.notifier.ready(f"reload failed, running configuration kept: {err}")
@@ -342,6 +345,7 @@ class Daemon:
         self._log_tq_changes(before, after)
         self._loaded_at = time.time()
         self._last_reload = {"ok": True, "at_unix": self._loaded_at, "error": None}
+        self._reloads["ok"] += 1
         self.notifier.ready(summary_line(self.status()))
         return True
 
@@ -359,7 +363,7 @@ class Daemon:
             log.info("New TQ = %s on GPU %s", seconds(tq), gpu)
 
     def _update_status_line(self) -> None:
-        line = summary_line(self.status())
+        line = summary_line(self._cached_status())
         if line != self._last_status_line:
             self._last_status_line = line
             self.notifier.status(line)
@@ -397,6 +401,10 @@ class Daemon:
             tenants=self.engine.tracker.tenants,
             gate_failures=self.engine.gate_failures,
             gate_method=self.engine.gate.method,
+            handovers=self.engine.handovers,
+            departed=self.engine.departed(self._clock()),
+            reloads=self._reloads,
+            uptime_s=self._clock() - self._started,
         )
 
     async def handle_command(self, cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
@@ -418,6 +426,7 @@ class Daemon:
                         t.tenant,
                         t.state,
                         self.engine.gate_failures.get(t.tenant),
+                        t.ledger,
                     )
                     for t in view.tenants
                 ]

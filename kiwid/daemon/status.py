@@ -11,13 +11,37 @@ from typing import Any
 
 from kiwid import __version__
 from kiwid.adapters.gpu import DeviceInfo
+from kiwid.core.ledger import LedgerView
 from kiwid.core.model import GpuPolicy, TenantState
-from kiwid.core.view import SchedulerView
+from kiwid.core.view import GpuView, SchedulerView
+from kiwid.daemon.engine import Departed, Histogram
 from kiwid.daemon.tenants import TenantInfo
 
 
+def ledger_json(ledger: LedgerView | None) -> dict[str, Any] | None:
+    """A tenant's ledger as the status object shows it."""
+    if ledger is None:
+        return None
+    return {
+        "holding_s": round(ledger.holding_s, 3),
+        "waiting_s": round(ledger.waiting_s, 3),
+        "idle_s": round(ledger.idle_s, 3),
+        "corunning_s": round(ledger.corunning_s, 3),
+        "quanta": ledger.quanta,
+        "preempted": ledger.preempted,
+        "early_releases": ledger.early_releases,
+        "swapped_out_bytes": 0,
+        "swapped_in_bytes": 0,
+        "swap_s": 0.0,
+    }
+
+
 def tenant_json(
-    info: TenantInfo | None, key: str, state: TenantState, gate_failure: str | None
+    info: TenantInfo | None,
+    key: str,
+    state: TenantState,
+    gate_failure: str | None,
+    ledger: LedgerView | None = None,
 ) -> dict[str, Any]:
     """One tenant, as status and ``tenants`` list it."""
     ident = info.identity if info else None
@@ -33,6 +57,7 @@ def tenant_json(
         "gpus": sorted(info.gpus) if info else [],
         "footprint_bytes": sum(v or 0 for v in info.footprint.values()) if info else None,
         "gate_failure": gate_failure,
+        "ledger": ledger_json(ledger),
     }
 
 
@@ -48,6 +73,10 @@ def build_status(
     tenants: Mapping[str, TenantInfo],
     gate_failures: Mapping[str, str],
     gate_method: str,
+    handovers: Mapping[str, Histogram],
+    departed: Sequence[Departed],
+    reloads: Mapping[str, int],
+    uptime_s: float,
 ) -> dict[str, Any]:
     """Assemble the status object from the scheduler's view and kiwid's tables."""
     now = view.now
@@ -88,16 +117,23 @@ def build_status(
                         "tenant": w.tenant,
                         "waiting_s": round(now - w.since, 3),
                         "position": w.position,
+                        "eta_s": _eta(g, w.position, now) if g else None,
                     }
                     for w in (g.waiters if g else ())
                 ],
                 "tenants": [
                     tenant_json(
-                        tenants.get(t.tenant), t.tenant, t.state, gate_failures.get(t.tenant)
+                        tenants.get(t.tenant),
+                        t.tenant,
+                        t.state,
+                        gate_failures.get(t.tenant),
+                        t.ledger,
                     )
                     for t in view.tenants
                     if gid in t.gpus
                 ],
+                "handover_seconds": handovers.get(gid, Histogram()).as_json(),
+                "swap": None,
             }
         )
     return {
@@ -106,7 +142,34 @@ def build_status(
         "config": dict(config),
         "scheduling": "on" if scheduling_on else "off",
         "gate": gate_method,
+        "uptime_s": round(uptime_s, 3),
+        "counters": {"reloads": dict(reloads)},
         "gpus": gpus,
+        "departed": [_departed_json(d, now) for d in departed],
+    }
+
+
+def _eta(gpu: GpuView, position: int, now: float) -> float:
+    """Seconds until the waiter at ``position`` is granted, if everyone ahead uses a full TQ.
+
+    An estimate: holders that go idle yield earlier, multi-GPU waiters may wait
+    for other GPUs too.
+    """
+    remaining = max(0.0, gpu.preempt_at - now) if gpu.preempt_at is not None else 0.0
+    return round(remaining + (position - 1) * gpu.policy.tq_s, 3)
+
+
+def _departed_json(d: Departed, now: float) -> dict[str, Any]:
+    ident = d.info.identity if d.info else None
+    return {
+        "id": d.tenant,
+        "name": ident.name if ident else d.tenant,
+        "kind": ident.kind if ident else None,
+        "pod": ident.pod if ident else None,
+        "namespace": ident.namespace if ident else None,
+        "gpus": sorted(d.info.gpus) if d.info else [],
+        "ledger": ledger_json(d.ledger),
+        "gone_for_s": round(now - d.gone_at, 3),
     }
 
 

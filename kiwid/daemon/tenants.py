@@ -64,6 +64,8 @@ class TenantTracker:
         self._identify = identify
         self._by_pid: dict[int, Identity] = {}
         self.tenants: dict[str, TenantInfo] = {}
+        self.gone: dict[str, TenantInfo] = {}
+        """Tenants detached by the last poll (the engine takes them for its ledger)."""
 
     def observe(
         self, samples: Iterable[GpuSample], now: float, lost_gpus: Iterable[str] = ()
@@ -121,7 +123,7 @@ class TenantTracker:
     ) -> list[Event]:
         events: list[Event] = []
         for key in sorted(set(self.tenants) - set(gpus)):
-            del self.tenants[key]
+            self.gone[key] = self.tenants.pop(key)
             events.append(TenantDetached(key))
         for key in sorted(gpus):
             gpu_set = frozenset(gpus[key])

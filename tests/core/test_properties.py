@@ -58,9 +58,14 @@ class Run:
     now: float = 0.0
     gated: set[str] = field(default_factory=set)
     wait_started: dict[str, float] = field(default_factory=dict)
+    attached_at: dict[str, float] = field(default_factory=dict)
     longest_wait: float = 0.0
 
     def feed(self, event: Event) -> list[Action]:
+        if isinstance(event, TenantAttached):
+            self.attached_at.setdefault(event.tenant, self.now)
+        elif isinstance(event, TenantDetached):
+            self.attached_at.pop(event.tenant, None)
         before = self.sched.view(self.now)
         actions = self.sched.handle(event, self.now)
         self.check(event, actions, before)
@@ -116,6 +121,10 @@ class Run:
                 if tenant in was_waiting and states_now.get(tenant) is S.HOLDER:
                     ahead = [a for a in order[:i] if states_now.get(a) is S.WAITING]
                     assert not ahead, f"{tenant} overtook {ahead} on GPU {gpu.gpu}"
+        # The ledger accounts for every second since a tenant appeared.
+        for t in view.tenants:
+            assert abs(t.ledger.total_s - (self.now - self.attached_at[t.tenant])) < 1e-6
+            assert t.ledger.quanta >= t.ledger.preempted + t.ledger.early_releases
         # No deadlock: while anyone waits, the core has a reason to wake.
         if waiting:
             assert self.sched.next_deadline() is not None

@@ -249,3 +249,19 @@ def test_time_never_goes_back() -> None:
 def test_policy_rejects_bad_tq(bad: float) -> None:
     with pytest.raises(ValueError, match="tq_s"):
         GpuPolicy(tq_s=bad)
+
+
+def test_ledger_counts_quanta_preemptions_and_early_releases() -> None:
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    h.advance(60, keep_active=("a", "b"))  # a 30 s, b 30 s, each preempted once
+    h.advance(10, keep_active=("b",))  # a, granted again at 60, does nothing: released at 65
+    view = {t.tenant: t.ledger for t in h.sched.view(h.clock.now()).tenants}
+    a, b = view["a"], view["b"]
+    assert a.total_s == b.total_s == 70
+    assert a.preempted == 1
+    assert b.preempted == 1
+    assert a.quanta == 2
+    assert a.early_releases == 1
+    assert a.holding_s + a.waiting_s + a.idle_s == 70

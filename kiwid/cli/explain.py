@@ -1,0 +1,429 @@
+"""``kiwictl explain TENANT``: why a tenant waits or idles, in plain words.
+
+Everything is worked out client-side from one ``status`` answer (shape in
+``docs/control-protocol.md``): the lookup, who holds the GPU, who is ahead, the
+estimated turn and the tenant's ledger. ``analyse`` gives the facts as JSON;
+``explain_text`` turns them into sentences. ``top`` reuses the small helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from kiwid.adapters.control import request
+
+Json = dict[str, Any]
+_MIN_PREFIX = 4  # characters of a container id (or pod UID) that select it
+_TENANT_KEYS = ("id", "name", "kind", "container_id", "pod", "namespace", "state", "pids")
+
+
+class TenantNotFound(LookupError):
+    """No tenant matches the query."""
+
+
+class AmbiguousTenant(LookupError):
+    """Several tenants match the query.
+
+    Attributes:
+        candidates: The matching tenants, as `collect_tenants` returns them.
+    """
+
+    def __init__(self, query: str, candidates: list[Json]) -> None:
+        super().__init__(f"{query!r} matches {len(candidates)} tenants")
+        self.candidates = candidates
+
+
+def format_duration(seconds: float | None) -> str:
+    """Say a duration briefly: ``12.3 s``, ``5m10s``, ``2h03m``.
+
+    Args:
+        seconds: Non-negative seconds, or ``None``.
+
+    Returns:
+        The text (``?`` for ``None``).
+    """
+    if seconds is None:
+        return "?"
+    if seconds < 60:
+        return f"{max(seconds, 0.0):.1f} s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+def format_bytes(n: float | None) -> str:
+    """Say a size briefly: ``512 B``, ``1.5 GiB``.
+
+    Args:
+        n: Bytes, or ``None``.
+
+    Returns:
+        The text (``?`` for ``None``).
+    """
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def plural(n: int, word: str) -> str:
+    """``1 tenant``, ``2 tenants``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def tenant_label(tenant: Mapping[str, Any]) -> str:
+    """A tenant's id, with its pod when it has one (``docker:3f2a… (pod ns/web)``)."""
+    pod = tenant.get("pod")
+    if not pod:
+        return str(tenant.get("id"))
+    ns = tenant.get("namespace")
+    return f"{tenant.get('id')} (pod {ns}/{pod})" if ns else f"{tenant.get('id')} (pod {pod})"
+
+
+def collect_tenants(status: Mapping[str, Any]) -> list[Json]:
+    """Every tenant in ``status``, once, with its ledger per GPU.
+
+    Args:
+        status: The ``status`` result.
+
+    Returns:
+        Live tenants in order of appearance, then departed ones (``departed``
+        true, ``gone_for_s`` set). Each has ``gpus`` and ``ledgers`` (GPU → ledger).
+    """
+    found: dict[str, Json] = {}
+    for gpu in status.get("gpus") or []:
+        for t in gpu.get("tenants") or []:
+            entry = found.setdefault(
+                str(t["id"]), {**t, "gpus": list(t.get("gpus") or []), "ledgers": {}}
+            )
+            if t.get("ledger") is not None:
+                entry["ledgers"][str(gpu["id"])] = t["ledger"]
+            if str(gpu["id"]) not in entry["gpus"]:
+                entry["gpus"].append(str(gpu["id"]))
+    for d in status.get("departed") or []:
+        if str(d["id"]) not in found:
+            ledger = d.get("ledger")
+            ledgers = {str(g): ledger for g in d.get("gpus") or []} if ledger else {}
+            found[str(d["id"])] = {**d, "state": "gone", "departed": True, "ledgers": ledgers}
+    return list(found.values())
+
+
+def _matches(t: Mapping[str, Any], query: str) -> int | None:
+    """How well ``t`` matches: 0 its id, 1 another exact field, 2 a prefix; else None."""
+    if str(t.get("id")) == query:
+        return 0
+    pod, ns = t.get("pod"), t.get("namespace")
+    exact = {t.get("name"), t.get("container_id"), pod, f"{ns}/{pod}" if ns and pod else None}
+    if query in exact or (query.isdigit() and int(query) in (t.get("pids") or [])):
+        return 1
+    if len(query) >= _MIN_PREFIX:
+        prefixed = [t.get("container_id"), pod]
+        _, colon, rest = query.partition(":")
+        if colon and len(rest) >= _MIN_PREFIX:
+            prefixed.append(t.get("id"))
+        if any(isinstance(v, str) and v.startswith(query) for v in prefixed):
+            return 2
+    return None
+
+
+def find_tenant(status: Mapping[str, Any], query: str) -> Json:
+    """Find one tenant by id, container id (or a prefix of 4+), name, pod or PID.
+
+    The best kind of match wins (the id, then an exact field or PID, then a
+    prefix); live tenants beat departed ones.
+
+    Args:
+        status: The ``status`` result.
+        query: What the user typed.
+
+    Returns:
+        The tenant, as `collect_tenants` gives it.
+
+    Raises:
+        TenantNotFound: Nothing matches.
+        AmbiguousTenant: Several tenants match equally well.
+    """
+    query = query.strip()
+    tiers: dict[int, list[Json]] = {}
+    for t in collect_tenants(status):
+        rank = _matches(t, query)
+        if rank is not None:
+            tiers.setdefault(rank, []).append(t)
+    if not tiers:
+        raise TenantNotFound(query)
+    best = tiers[min(tiers)]
+    live = [t for t in best if not t.get("departed")]
+    best = live or best
+    if len(best) > 1:
+        raise AmbiguousTenant(query, best)
+    return best[0]
+
+
+def _eta_for_newcomer(gpu: Mapping[str, Any]) -> float:
+    """When a tenant that starts GPU work now would get its turn, roughly."""
+    holder, waiters = gpu.get("holder"), gpu.get("waiters") or []
+    tq = float(gpu.get("tq") or 0.0)
+    if holder is None and not waiters:
+        return 0.0
+    if waiters and waiters[-1].get("eta_s") is not None:
+        return float(waiters[-1]["eta_s"]) + tq
+    left = 0.0
+    if holder is not None:
+        left = holder.get("remaining_s")
+        left = max(0.0, tq - float(holder.get("since_s") or 0.0)) if left is None else left
+    return float(left) + tq * len(waiters)
+
+
+def _gpu_facts(t: Mapping[str, Any], gpu: Mapping[str, Any]) -> Json:
+    gid = str(gpu.get("id"))
+    holder = gpu.get("holder")
+    waiters = gpu.get("waiters") or []
+    me = next((w for w in waiters if w.get("tenant") == t["id"]), None)
+    facts: Json = {
+        "gpu": gid,
+        "healthy": gpu.get("healthy", True),
+        "tq": gpu.get("tq"),
+        "idle_release": gpu.get("idle_release"),
+        "mode": gpu.get("mode"),
+        "holder": holder,
+        "waiting": [w.get("tenant") for w in waiters],
+        "position": None,
+        "waiting_s": None,
+        "ahead": [],
+        "eta_s": None,
+        "eta_estimated": False,
+        "ledger": t["ledgers"].get(gid),
+    }
+    if me is not None:
+        position = int(me.get("position") or waiters.index(me) + 1)
+        ahead = [w.get("tenant") for w in waiters if int(w.get("position") or 0) < position]
+        eta, estimated = me.get("eta_s"), False
+        if eta is None:  # an older kiwid: the holder's remaining time plus a TQ per tenant ahead
+            remaining = holder.get("remaining_s") if holder else 0.0
+            eta = float(remaining or 0.0) + float(gpu.get("tq") or 0.0) * len(ahead)
+            estimated = True
+        facts.update(position=position, waiting_s=me.get("waiting_s"), ahead=ahead)
+        facts.update(eta_s=eta, eta_estimated=estimated)
+    elif t.get("state") == "idle":
+        facts.update(eta_s=_eta_for_newcomer(gpu), eta_estimated=True)
+    return facts
+
+
+def analyse(status: Mapping[str, Any], tenant: Json) -> Json:
+    """The facts behind an explanation (what ``explain --json`` prints).
+
+    Args:
+        status: The ``status`` result.
+        tenant: One of `collect_tenants` (e.g. from `find_tenant`).
+
+    Returns:
+        ``tenant`` (its identity), ``scheduling``, ``uptime_s`` and ``gpus``: per
+        GPU of the tenant, holder, waiters, its position, who is ahead, its ETA
+        and its ledger.
+    """
+    by_id = {str(g.get("id")): g for g in status.get("gpus") or []}
+    ident = {k: tenant.get(k) for k in _TENANT_KEYS}
+    ident.update(gate_failure=tenant.get("gate_failure"), departed=bool(tenant.get("departed")))
+    ident.update(gone_for_s=tenant.get("gone_for_s"))
+    gpus = [str(g) for g in tenant.get("gpus") or []]
+    return {
+        "tenant": ident,
+        "scheduling": status.get("scheduling"),
+        "uptime_s": status.get("uptime_s"),
+        "gpus": [
+            _gpu_facts(tenant, by_id[g]) for g in gpus if g in by_id and not ident["departed"]
+        ],
+        "ledger": next(iter(tenant["ledgers"].values()), None),
+    }
+
+
+def _ids(tenants: Iterable[Any]) -> str:
+    return ", ".join(str(t) for t in tenants)
+
+
+def _waiting(who: str, f: Json) -> str:
+    text = f"{who} is WAITING for GPU {f['gpu']} since {format_duration(f['waiting_s'])}: "
+    holder = f["holder"]
+    if holder is None:
+        text += "the GPU is being handed over"
+    elif holder.get("remaining_s") is None:
+        text += f"the GPU is held by {holder['tenant']}, which keeps it until it goes idle"
+    else:
+        left = format_duration(holder["remaining_s"])
+        text += f"the GPU is held by {holder['tenant']} whose quantum ends in {left}"
+    ahead = f["ahead"]
+    if ahead:
+        verb = "is" if len(ahead) == 1 else "are"
+        text += f"; {plural(len(ahead), 'tenant')} {verb} ahead of it ({_ids(ahead)})."
+    else:
+        text += "; it is next in line."
+    about = "about " if f["eta_estimated"] else ""
+    return f"{text} Estimated turn in {about}{format_duration(f['eta_s'])}."
+
+
+def _holding(who: str, f: Json) -> str:
+    since = format_duration((f["holder"] or {}).get("since_s"))
+    text = f"{who} HOLDS GPU {f['gpu']} (for {since} now)"
+    left = (f["holder"] or {}).get("remaining_s")
+    if not f["waiting"] or left is None:
+        release = format_duration(f["idle_release"])
+        return f"{text}; nobody waits, so it keeps it until it has no GPU work for {release}."
+    n = len(f["waiting"])
+    return (
+        f"{text}; {plural(n, 'tenant')} {'waits' if n == 1 else 'wait'} "
+        f"({_ids(f['waiting'])}), so its quantum ends in {format_duration(left)}, "
+        "then it goes to the back of the queue."
+    )
+
+
+def _idle(who: str, f: Json) -> str:
+    release = format_duration(f["idle_release"])
+    text = (
+        f"{who} is IDLE on GPU {f['gpu']}: it has had no GPU work for at least {release} "
+        "(or none yet), so it neither holds the GPU nor waits for it."
+    )
+    if f["holder"] is None and not f["waiting"]:
+        return f"{text} At its next GPU work it gets the GPU at once (it is free)."
+    holder = f["holder"]["tenant"] if f["holder"] else "nobody"
+    return (
+        f"{text} At its next GPU work it is queued (holder {holder}, "
+        f"{plural(len(f['waiting']), 'tenant')} waiting): turn in about "
+        f"{format_duration(f['eta_s'])}."
+    )
+
+
+def _corunning(who: str, f: Json, scheduling: Any) -> str:
+    text = f"{who} RUNS UN-GATED on GPU {f['gpu']}, sharing it with whoever else is busy: "
+    if scheduling == "off":
+        return text + "the scheduler is off (kiwictl -S off), so the driver time-slices the GPU."
+    if f["mode"] == "off":
+        return text + "the GPU's mode is off, so the driver time-slices it."
+    if f["mode"] == "auto":
+        return text + "in auto mode the busy tenants' memory fits on the GPU, so nobody is gated."
+    return text + "kiwid does not gate it now."
+
+
+def ledger_text(ledger: Mapping[str, Any] | None, uptime_s: float | None = None) -> str:
+    """The ledger in one sentence (``Ledger: held 5m10s in 11 quanta (…), waited 4m02s.``).
+
+    Args:
+        ledger: The tenant's ledger, or ``None``.
+        uptime_s: Seconds since kiwid started (the ledger's origin), if known.
+
+    Returns:
+        The sentence; empty when there is no ledger.
+    """
+    if not ledger:
+        return ""
+    quanta = int(ledger.get("quanta", 0))
+    since = f" (since kiwid started {format_duration(uptime_s)} ago)" if uptime_s else ""
+    text = (
+        f"Ledger{since}: held {format_duration(ledger.get('holding_s', 0.0))} in "
+        f"{quanta} {'quantum' if quanta == 1 else 'quanta'} "
+        f"({ledger.get('preempted', 0)} preempted, "
+        f"{plural(int(ledger.get('early_releases', 0)), 'early release')}), "
+        f"waited {format_duration(ledger.get('waiting_s', 0.0))}"
+    )
+    for key, word in (("corunning_s", "ran un-gated"), ("idle_s", "idle")):
+        if ledger.get(key):
+            text += f", {word} {format_duration(ledger[key])}"
+    if ledger.get("swapped_out_bytes") or ledger.get("swapped_in_bytes"):
+        text += (
+            f"; swapped {format_bytes(ledger.get('swapped_out_bytes'))} out and "
+            f"{format_bytes(ledger.get('swapped_in_bytes'))} in, "
+            f"taking {format_duration(ledger.get('swap_s'))}"
+        )
+    return text + "."
+
+
+def explain_text(facts: Json) -> str:
+    """Turn `analyse`'s facts into plain sentences.
+
+    Args:
+        facts: What `analyse` returned.
+
+    Returns:
+        A paragraph, one sentence or more per GPU, then the ledger.
+    """
+    t = facts["tenant"]
+    who = tenant_label(t)
+    if t["departed"]:
+        gone = format_duration(t.get("gone_for_s"))
+        parts = [f"{who} is GONE: it left {gone} ago; kiwid keeps its ledger for a while."]
+    else:
+        parts = []
+        state = t.get("state")
+        for f in facts["gpus"]:
+            if not f["healthy"]:
+                parts.append(f"GPU {f['gpu']} is UNHEALTHY (kiwid lost it).")
+            if state == "waiting" and f["position"] is not None:
+                parts.append(_waiting(who, f))
+            elif state == "holder":
+                parts.append(_holding(who, f))
+            elif state == "corunning":
+                parts.append(_corunning(who, f, facts["scheduling"]))
+            elif state == "idle":
+                parts.append(_idle(who, f))
+            else:
+                parts.append(f"{who} is {str(state).upper()} on GPU {f['gpu']}.")
+        if not facts["gpus"]:
+            parts.append(f"{who} is {str(state).upper()} and uses no GPU kiwid knows.")
+        if len(facts["gpus"]) > 1:
+            gpus = _ids(f["gpu"] for f in facts["gpus"])
+            parts.append(f"It gets GPUs {gpus} together or none of them.")
+        if t.get("gate_failure"):
+            parts.append(f"kiwid could not gate it ({t['gate_failure']}), so it runs un-gated.")
+    ledger = ledger_text(facts.get("ledger"), facts.get("uptime_s"))
+    return " ".join([*parts, ledger] if ledger else parts)
+
+
+def _candidate_line(t: Mapping[str, Any]) -> str:
+    pids = ",".join(str(p) for p in t.get("pids") or []) or "-"
+    return f"  {tenant_label(t)}  {t.get('state')}  pids {pids}"
+
+
+def run(socket: str | Path, query: str, as_json: bool = False) -> int:
+    """Run ``kiwictl explain``: ask for the status, find the tenant, print why.
+
+    Args:
+        socket: kiwid's control socket.
+        query: Tenant id, container id (prefix of 4+), name, pod or PID.
+        as_json: Print `analyse`'s facts (with the text) as JSON.
+
+    Returns:
+        0 explained, 1 not found or ambiguous (the candidates are listed).
+
+    Raises:
+        DaemonUnreachable: kiwid does not answer (kiwictl exits 3).
+        ControlError: kiwid refused the status request.
+    """
+    status = request(socket, "status")
+    try:
+        tenant = find_tenant(status, query)
+    except AmbiguousTenant as exc:
+        lines = "\n".join(_candidate_line(t) for t in exc.candidates)
+        print(f"[ERROR] {query!r} matches several tenants; say which:\n{lines}", file=sys.stderr)
+        return 1
+    except TenantNotFound:
+        print(
+            f"[ERROR] no tenant matches {query!r} (by id, container id, name, pod or PID); "
+            "see kiwictl tenants",
+            file=sys.stderr,
+        )
+        return 1
+    facts = analyse(status, tenant)
+    text = explain_text(facts)
+    if as_json:
+        print(json.dumps({**facts, "explanation": text}, indent=2, sort_keys=True))
+    else:
+        print(text)
+    return 0

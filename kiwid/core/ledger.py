@@ -1,0 +1,64 @@
+"""Per-tenant GPU-time accounting, kept by the scheduling core.
+
+Every state change closes the time spent in the previous state, so at any
+moment ``holding + waiting + corunning + idle`` equals the time since the
+tenant was first seen. Counters say how the GPU was handed over. The ledger
+lives as long as the daemon (it survives reloads; a restart resets it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiwid.core.model import TenantState
+
+
+@dataclass
+class Ledger:
+    """One tenant's account (mutable; the core owns it)."""
+
+    seconds: dict[TenantState, float] = field(
+        default_factory=lambda: dict.fromkeys(TenantState, 0.0)
+    )
+    quanta: int = 0
+    """Times it was granted the GPU(s)."""
+    preempted: int = 0
+    """Times its quantum ended because someone waited."""
+    early_releases: int = 0
+    """Times it yielded before its quantum ended, for lack of GPU work."""
+
+    def close(self, state: TenantState, since: float, now: float) -> None:
+        """Book the time from ``since`` to ``now`` to ``state``."""
+        self.seconds[state] += max(0.0, now - since)
+
+    def view(self, state: TenantState, since: float, now: float) -> LedgerView:
+        """Return a snapshot that includes the time in the current ``state``."""
+        seconds = dict(self.seconds)
+        seconds[state] += max(0.0, now - since)
+        return LedgerView(
+            holding_s=seconds[TenantState.HOLDER],
+            waiting_s=seconds[TenantState.WAITING],
+            corunning_s=seconds[TenantState.CORUNNING],
+            idle_s=seconds[TenantState.IDLE],
+            quanta=self.quanta,
+            preempted=self.preempted,
+            early_releases=self.early_releases,
+        )
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """A tenant's account at one moment (seconds and counts)."""
+
+    holding_s: float
+    waiting_s: float
+    corunning_s: float
+    idle_s: float
+    quanta: int
+    preempted: int
+    early_releases: int
+
+    @property
+    def total_s(self) -> float:
+        """Time since the tenant was first seen."""
+        return self.holding_s + self.waiting_s + self.corunning_s + self.idle_s

@@ -16,6 +16,7 @@ A process that exits (or whose PID is reused) drops out automatically.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ ACTIVITIES = frozenset({"cpu", "active", "idle"})
 """The activity modes :meth:`SimBackend.attach` accepts."""
 
 _PROC = Path("/proc")
+_PENDING_FRESH_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,12 @@ class _Entry:
     activity: str
     start_ticks: int  # /proc/PID/stat starttime: tells a reused PID apart
     samples: list[tuple[float, int]] = field(default_factory=list)  # (clock s, cpu ticks)
+    # The /proc reading processes() just took, used once by the active_pids() right
+    # after it (the daemon's poll): one read per process and poll, not two.
+    pending: tuple[float, tuple[int, int]] | None = None  # (time.monotonic(), stat)
+    fd: int | None = (
+        None  # /proc/PID/stat held open: a pread per poll, and a reused PID reads ESRCH
+    )
 
 
 class SimBackend:
@@ -124,7 +132,12 @@ class SimBackend:
         if stat is None:
             raise ValueError(f"no running process with pid {pid!r}")
         entry = _Entry(used_memory_bytes, activity, stat[1], [(self._clock(), stat[0])])
+        try:
+            entry.fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            entry.fd = None  # out of descriptors: read by path instead
         with self._lock:
+            self._drop((pid, index))
             self._entries[(pid, index)] = entry
 
     def detach(self, pid: int) -> bool:
@@ -139,7 +152,7 @@ class SimBackend:
         with self._lock:
             keys = [key for key in self._entries if key[0] == pid]
             for key in keys:
-                del self._entries[key]
+                self._drop(key)
             return bool(keys)
 
     def set_activity(self, pid: int, activity: str) -> None:
@@ -232,18 +245,24 @@ class SimBackend:
         """
         with self._lock:
             self._check_query(index)
-            self._prune(index)
             now = self._clock()
             active: set[int] = set()
-            for (pid, i), entry in self._entries.items():
-                if i != index or entry.activity == "idle":
+            for (pid, i), entry in list(self._entries.items()):
+                if i != index:
+                    continue
+                pending, entry.pending = entry.pending, None
+                if pending is not None and time.monotonic() - pending[0] < _PENDING_FRESH_S:
+                    stat: tuple[int, int] | None = pending[1]
+                else:
+                    stat = _entry_stat(pid, entry)
+                if stat is None or stat[1] != entry.start_ticks:  # exited, or PID reused
+                    self._drop((pid, i))
+                    continue
+                if entry.activity == "idle":
                     continue
                 if entry.activity == "active":
                     if not _frozen(pid):
                         active.add(pid)
-                    continue
-                stat = _read_stat(pid)
-                if stat is None:
                     continue
                 samples = entry.samples
                 recent = [k for k, (t, _) in enumerate(samples) if t >= now - window_s]
@@ -256,7 +275,8 @@ class SimBackend:
     def close(self) -> None:
         """Forget every attachment."""
         with self._lock:
-            self._entries.clear()
+            for key in list(self._entries):
+                self._drop(key)
 
     def _check_index(self, index: int) -> None:
         """Raise ``ValueError`` unless ``index`` names a simulated GPU."""
@@ -270,6 +290,12 @@ class SimBackend:
         if index in self._lost:
             raise GpuLost(index, "simulated loss")
 
+    def _drop(self, key: tuple[int, int]) -> None:
+        """Forget an attachment and close its descriptor (lock held)."""
+        entry = self._entries.pop(key, None)
+        if entry is not None and entry.fd is not None:
+            os.close(entry.fd)
+
     def _prune(self, index: int) -> None:
         """Drop a GPU's attachments whose process exited or whose PID was reused.
 
@@ -278,9 +304,11 @@ class SimBackend:
         for key, entry in list(self._entries.items()):
             if key[1] != index:
                 continue
-            stat = _read_stat(key[0])
+            stat = _entry_stat(key[0], entry)
             if stat is None or stat[1] != entry.start_ticks:
-                del self._entries[key]
+                self._drop(key)
+            else:
+                entry.pending = (time.monotonic(), stat)
 
 
 def _check_activity(activity: str) -> None:
@@ -289,15 +317,36 @@ def _check_activity(activity: str) -> None:
         raise ValueError(f"activity must be one of {sorted(ACTIVITIES)}, got {activity!r}")
 
 
+def _entry_stat(pid: int, entry: _Entry) -> tuple[int, int] | None:
+    """Like :func:`_read_stat`, through the entry's open descriptor when it has one."""
+    if entry.fd is None:
+        return _read_stat(pid)
+    try:
+        return _parse_stat(os.pread(entry.fd, 4096, 0).decode("utf-8", "replace"))
+    except OSError:  # ESRCH: the process was reaped (its PID may be someone else's now)
+        return None
+
+
 def _read_stat(pid: int) -> tuple[int, int] | None:
     """Return ``(utime + stime, starttime)`` in clock ticks, or ``None`` if not alive.
 
     A zombie (exited, not yet reaped) counts as not alive.
     """
-    try:
-        text = (_PROC / str(pid) / "stat").read_text()
+    try:  # os.open/os.read: pathlib's path building costs more than the read itself
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
     except OSError:
         return None
+    try:
+        text = os.read(fd, 4096).decode("utf-8", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return _parse_stat(text)
+
+
+def _parse_stat(text: str) -> tuple[int, int] | None:
+    """``(utime + stime, starttime)`` from a ``/proc/PID/stat`` text; ``None`` for a zombie."""
     fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces
     if fields[0] in ("Z", "X"):
         return None

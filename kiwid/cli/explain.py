@@ -123,7 +123,8 @@ def _matches(t: Mapping[str, Any], query: str) -> int | None:
         return 0
     pod, ns = t.get("pod"), t.get("namespace")
     exact = {t.get("name"), t.get("container_id"), pod, f"{ns}/{pod}" if ns and pod else None}
-    if query in exact or (query.isdigit() and int(query) in (t.get("pids") or [])):
+    pid = query.isdigit() and (int(query) in (t.get("pids") or []) or t.get("id") == f"pid:{query}")
+    if query in exact or pid:
         return 1
     if len(query) >= _MIN_PREFIX:
         prefixed = [t.get("container_id"), pod]
@@ -183,6 +184,25 @@ def _eta_for_newcomer(gpu: Mapping[str, Any]) -> float:
     return float(left) + tq * len(waiters)
 
 
+def waiter_eta(gpu: Mapping[str, Any], waiter: Mapping[str, Any]) -> tuple[float, bool]:
+    """When a waiter's turn comes: kiwid's ``eta_s``, else an estimate.
+
+    Args:
+        gpu: The GPU's entry in ``status``.
+        waiter: One of its ``waiters``.
+
+    Returns:
+        Seconds until its turn, and whether that was estimated here (an older
+        kiwid: the holder's remaining time plus a TQ per tenant ahead).
+    """
+    if waiter.get("eta_s") is not None:
+        return float(waiter["eta_s"]), False
+    holder = gpu.get("holder")
+    remaining = float((holder or {}).get("remaining_s") or 0.0)
+    ahead = max(int(waiter.get("position") or 1) - 1, 0)
+    return remaining + float(gpu.get("tq") or 0.0) * ahead, True
+
+
 def _gpu_facts(t: Mapping[str, Any], gpu: Mapping[str, Any]) -> Json:
     gid = str(gpu.get("id"))
     holder = gpu.get("holder")
@@ -206,11 +226,7 @@ def _gpu_facts(t: Mapping[str, Any], gpu: Mapping[str, Any]) -> Json:
     if me is not None:
         position = int(me.get("position") or waiters.index(me) + 1)
         ahead = [w.get("tenant") for w in waiters if int(w.get("position") or 0) < position]
-        eta, estimated = me.get("eta_s"), False
-        if eta is None:  # an older kiwid: the holder's remaining time plus a TQ per tenant ahead
-            remaining = holder.get("remaining_s") if holder else 0.0
-            eta = float(remaining or 0.0) + float(gpu.get("tq") or 0.0) * len(ahead)
-            estimated = True
+        eta, estimated = waiter_eta(gpu, me)
         facts.update(position=position, waiting_s=me.get("waiting_s"), ahead=ahead)
         facts.update(eta_s=eta, eta_estimated=estimated)
     elif t.get("state") == "idle":

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
+from kiwid.cli import explain, top
 
 DEFAULT_SOCKET = "/run/kiwi/kiwid.sock"
 EXIT_OK = 0
@@ -35,6 +36,8 @@ examples:
   kiwictl status              who holds each GPU, who waits and since when
   kiwictl status --json       the same, as stable JSON for scripts
   kiwictl tenants             every process or container kiwid knows
+  kiwictl top                 live view of every GPU: holder, queue, shares (q quits)
+  kiwictl explain 4f2a        why that tenant waits or idles (id, container id, pod or PID)
 
 Changing the scheduler (-T, -S) needs root or membership of the admin group
 (admin_group in /etc/kiwi.toml, default "kiwi"); status and tenants are open
@@ -61,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Build the ``kiwictl`` argument parser.
 
     Returns:
-        The parser; ``command`` is ``None`` unless ``status`` or ``tenants`` is given.
+        The parser; ``command`` is ``None`` unless a command (``status``, ``top``…) is given.
     """
     parser = argparse.ArgumentParser(
         prog="kiwictl",
@@ -91,7 +94,52 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text, description=text)
         _add_socket(cmd, argparse.SUPPRESS)  # accepted after the command too
         cmd.add_argument("--json", action="store_true", help="print the daemon's JSON as is")
+    _add_top(sub)
+    _add_explain(sub)
     return parser
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number greater than 0, not {text!r}")
+    return value
+
+
+def _add_top(sub: Any) -> None:
+    text = "live view of every GPU: holder, queue with ETAs, shares of GPU time (q quits)"
+    cmd = sub.add_parser("top", help=text, description=text)
+    _add_socket(cmd, argparse.SUPPRESS)
+    cmd.add_argument(
+        "--interval",
+        type=_positive,
+        default=top.DEFAULT_INTERVAL_S,
+        metavar="SECONDS",
+        help=f"seconds between refreshes (default {top.DEFAULT_INTERVAL_S:g})",
+    )
+    cmd.add_argument(
+        "--window",
+        type=_positive,
+        default=top.DEFAULT_WINDOW_S / 60,
+        metavar="MINUTES",
+        help=f"share of GPU time over the last MINUTES (default {top.DEFAULT_WINDOW_S / 60:g})",
+    )
+    cmd.add_argument("--once", action="store_true", help="print one frame and exit (for scripts)")
+
+
+def _add_explain(sub: Any) -> None:
+    text = "say in plain words why a tenant waits or idles, who is ahead, and its ledger"
+    cmd = sub.add_parser("explain", help=text, description=text)
+    _add_socket(cmd, argparse.SUPPRESS)
+    cmd.add_argument(
+        "tenant",
+        metavar="TENANT",
+        help="tenant id, container id (4+ leading characters), name, pod or PID",
+    )
+    cmd.add_argument("--json", action="store_true", help="print the facts as JSON")
 
 
 def format_number(value: float) -> str:
@@ -237,6 +285,10 @@ def format_tenants(tenants: list[dict[str, Any]]) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     path = args.socket
+    if args.command == "top":
+        return top.run(path, interval=args.interval, once=args.once, window_s=args.window * 60)
+    if args.command == "explain":
+        return explain.run(path, args.tenant, as_json=args.json)
     if args.command is not None:
         result = request(path, args.command)
         if args.json:
@@ -284,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         actions = [args.command is not None, args.tq is not None, args.scheduler is not None]
         if sum(actions) != 1:
-            parser.error("give exactly one of -T SECONDS, -S on|off, status or tenants")
+            parser.error("give exactly one of -T SECONDS, -S on|off or a command")
         if args.gpu is not None and args.tq is None:
             parser.error("--gpu only goes with -T")
     except SystemExit as exc:  # argparse's way of reporting usage errors and --help

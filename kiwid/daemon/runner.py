@@ -99,6 +99,7 @@ class Daemon:
         self._last_status_line = ""
         self._status_cache: tuple[float, int, dict[str, Any]] | None = None
         self._reloads = {"ok": 0, "failed": 0}
+        self._status_line_generation = -1
         self._started = clock()
         for warning in loaded.warnings:
             log.warning("%s: %s", config_path, warning)
@@ -363,6 +364,10 @@ class Daemon:
             log.info("New TQ = %s on GPU %s", seconds(tq), gpu)
 
     def _update_status_line(self) -> None:
+        generation = self.engine.generation
+        if generation == self._status_line_generation:
+            return
+        self._status_line_generation = generation
         line = summary_line(self._cached_status())
         if line != self._last_status_line:
             self._last_status_line = line

@@ -64,6 +64,7 @@ class TenantTracker:
         self._identify = identify
         self._by_pid: dict[int, Identity] = {}
         self.tenants: dict[str, TenantInfo] = {}
+        self._last_key: object = None
         self.gone: dict[str, TenantInfo] = {}
         """Tenants detached by the last poll (the engine takes them for its ledger)."""
 
@@ -75,6 +76,14 @@ class TenantTracker:
         GPUs in ``lost_gpus`` could not be read this time: their tenants keep
         their last known state rather than being dropped.
         """
+        samples = list(samples)
+        lost_set = frozenset(lost_gpus)
+        # An idle node's polls repeat themselves: nothing to diff, nothing to say.
+        # (Activity is news every time: it keeps a burst alive.)
+        key = (tuple((s.gpu, tuple(s.processes)) for s in samples), lost_set)
+        if key == self._last_key and not any(s.active_pids for s in samples):
+            return []
+        self._last_key = key
         pids: dict[str, set[int]] = {}
         gpus: dict[str, set[str]] = {}
         memory: dict[tuple[str, str], int | None] = {}
@@ -94,12 +103,12 @@ class TenantTracker:
                 memory[slot] = None if used is None or known is None else known + used
                 if proc.pid in sample.active_pids:
                     active.add(ident.key)
-        lost = set(lost_gpus)
-        for key, info in self.tenants.items():  # keep tenants of unreadable GPUs
+        lost = lost_set
+        for tid, info in self.tenants.items():  # keep tenants of unreadable GPUs
             kept = info.gpus & lost
-            if kept and key not in gpus:
-                gpus[key] = set(kept)
-                pids[key] = set(info.pids)
+            if kept and tid not in gpus:
+                gpus[tid] = set(kept)
+                pids[tid] = set(info.pids)
                 seen_pids |= info.pids
         for pid in set(self._by_pid) - seen_pids:
             del self._by_pid[pid]

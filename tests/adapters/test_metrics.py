@@ -1,0 +1,314 @@
+"""The metrics adapter: a real HTTP server, read back by Prometheus's own parser."""
+
+from __future__ import annotations
+
+import copy
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiwid.adapters.metrics import MetricsError, MetricsServer, build_registry, parse_listen
+
+LEDGER = {
+    "holding_s": 310.5,
+    "waiting_s": 242.0,
+    "idle_s": 12.0,
+    "corunning_s": 0.0,
+    "quanta": 11,
+    "preempted": 3,
+    "early_releases": 2,
+    "swapped_out_bytes": 2**30,
+    "swapped_in_bytes": 2**29,
+    "swap_s": 1.5,
+}
+STATUS: dict[str, Any] = {
+    "version": "0.1.0",
+    "pid": 1,
+    "uptime_s": 600.0,
+    "counters": {"reloads": {"ok": 4, "failed": 1}},
+    "gpus": [
+        {
+            "id": "0",
+            "uuid": "GPU-5a1c",
+            "name": "NVIDIA H200",
+            "healthy": True,
+            "tq": 20.0,
+            "mode": "exclusive",
+            "holder": {"tenant": "docker:ab12cd34ef56", "since_s": 2.3, "remaining_s": 17.7},
+            "waiters": [{"tenant": "pid:456", "waiting_s": 12.3, "position": 1, "eta_s": 17.7}],
+            "handover_seconds": {
+                "buckets": [
+                    [0.005, 1],
+                    [0.01, 3],
+                    [0.05, 7],
+                    [0.1, 8],
+                    [0.5, 8],
+                    [1.0, 9],
+                    [5.0, 9],
+                    [30.0, 9],
+                    ["+Inf", 9],
+                ],
+                "sum": 1.25,
+                "count": 9,
+            },
+            "tenants": [
+                {
+                    "id": "docker:ab12cd34ef56",
+                    "name": "ab12cd34ef56",
+                    "pod": "web-7f",
+                    "namespace": "shop",
+                    "state": "holder",
+                    "footprint_bytes": 3 * 2**30,
+                    "ledger": LEDGER,
+                },
+                {
+                    "id": "pid:456",
+                    "name": "pid 456",
+                    "pod": None,
+                    "namespace": None,
+                    "state": "waiting",
+                    "footprint_bytes": 2**30,
+                    "ledger": {**LEDGER, "holding_s": 1.0, "quanta": 1},
+                },
+            ],
+        },
+        {
+            "id": "1",
+            "uuid": "GPU-77aa",
+            "name": "NVIDIA H200",
+            "healthy": False,
+            "tq": 30.0,
+            "mode": "auto",
+            "holder": None,
+            "waiters": [],
+            "handover_seconds": {"buckets": [["+Inf", 0]], "sum": 0.0, "count": 0},
+            "tenants": [],
+        },
+    ],
+    "departed": [
+        {
+            "id": "pid:99",
+            "name": "pid 99",
+            "kind": "process",
+            "pod": None,
+            "namespace": None,
+            "gpus": ["0", "1"],
+            "ledger": {**LEDGER, "quanta": 5},
+            "gone_for_s": 12.0,
+        },
+        {  # came back under the same id: its live series wins
+            "id": "pid:456",
+            "name": "pid 456",
+            "gpus": ["0"],
+            "ledger": {**LEDGER, "quanta": 999},
+            "gone_for_s": 1.0,
+        },
+    ],
+}
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., MetricsServer]]:
+    """Start metrics servers on 127.0.0.1:0; every one is stopped after the test."""
+    started: list[MetricsServer] = []
+
+    def start(snapshot: Callable[[], Any] = lambda: STATUS, listen: str = "127.0.0.1:0") -> Any:
+        server = MetricsServer(listen, snapshot)
+        started.append(server)
+        server.start()
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def scrape(server: MetricsServer, host: str = "127.0.0.1") -> str:
+    url = f"http://{host}:{server.port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310 - http to ourselves
+        assert reply.status == 200
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        return str(reply.read().decode())
+
+
+def parse(text: str) -> tuple[dict[str, Any], Samples]:
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {
+        (s.name, frozenset(s.labels.items())): s.value for f in families.values() for s in f.samples
+    }
+    return families, samples
+
+
+def labels(**kw: str) -> frozenset[tuple[str, str]]:
+    return frozenset(kw.items())
+
+
+HOLDER = labels(tenant="docker:ab12cd34ef56", name="ab12cd34ef56", pod="web-7f", namespace="shop")
+
+
+def test_ledger_counters_carry_tenant_pod_and_gpu_labels(serve) -> None:
+    families, samples = parse(scrape(serve()))
+    holder = HOLDER | {("gpu", "0")}
+    expected = {
+        "kiwi_tenant_holding_seconds_total": 310.5,
+        "kiwi_tenant_waiting_seconds_total": 242.0,
+        "kiwi_tenant_quanta_total": 11,
+        "kiwi_tenant_preemptions_total": 3,
+        "kiwi_tenant_early_releases_total": 2,
+        "kiwi_tenant_swapped_out_bytes_total": 2**30,
+        "kiwi_tenant_swapped_in_bytes_total": 2**29,
+        "kiwi_tenant_swap_seconds_total": 1.5,
+    }
+    for name, value in expected.items():
+        assert families[name.removesuffix("_total")].type == "counter"
+        assert samples[(name, holder)] == value, name
+    assert families["kiwi_tenant_footprint_bytes"].type == "gauge"
+    assert samples[("kiwi_tenant_footprint_bytes", holder)] == 3 * 2**30
+    bare = labels(tenant="pid:456", name="pid 456", pod="", namespace="", gpu="0")
+    assert samples[("kiwi_tenant_quanta_total", bare)] == 1
+
+
+def test_departed_tenants_stay_until_the_daemon_drops_them(serve) -> None:
+    status = copy.deepcopy(STATUS)
+    server = serve(lambda: status)
+    _, samples = parse(scrape(server))
+    gone = {"tenant": "pid:99", "name": "pid 99", "pod": "", "namespace": ""}
+    for gpu in ("0", "1"):  # the same series as when it was live on both GPUs
+        assert samples[("kiwi_tenant_quanta_total", labels(**gone, gpu=gpu))] == 5
+    assert ("kiwi_tenant_footprint_bytes", labels(**gone, gpu="0")) not in samples
+    back = labels(tenant="pid:456", name="pid 456", pod="", namespace="", gpu="0")
+    assert samples[("kiwi_tenant_quanta_total", back)] == 1  # not the departed 999
+    status["departed"] = []
+    _, samples = parse(scrape(server))
+    assert not [k for k in samples if ("tenant", "pid:99") in k[1]]
+
+
+def test_gpu_gauges(serve) -> None:
+    families, samples = parse(scrape(serve()))
+    assert samples[("kiwi_gpu_queue_length", labels(gpu="0"))] == 1
+    assert samples[("kiwi_gpu_queue_length", labels(gpu="1"))] == 0
+    holders = {k[1]: v for k, v in samples.items() if k[0] == "kiwi_gpu_holder_info"}
+    assert holders == {labels(gpu="0", tenant="docker:ab12cd34ef56"): 1}
+    assert samples[("kiwi_gpu_tq_seconds", labels(gpu="1"))] == 30
+    assert samples[("kiwi_gpu_mode_info", labels(gpu="0", mode="exclusive"))] == 1
+    assert samples[("kiwi_gpu_mode_info", labels(gpu="1", mode="auto"))] == 1
+    assert samples[("kiwi_gpu_healthy", labels(gpu="0"))] == 1
+    assert samples[("kiwi_gpu_healthy", labels(gpu="1"))] == 0
+    assert samples[("kiwi_gpu_info", labels(gpu="1", uuid="GPU-77aa", model="NVIDIA H200"))] == 1
+    assert families["kiwi_gpu_holder_info"].type == "gauge"
+
+
+def test_handover_histogram_and_reload_counters(serve) -> None:
+    families, samples = parse(scrape(serve()))
+    assert families["kiwi_handover_duration_seconds"].type == "histogram"
+    buckets = {
+        dict(k[1])["le"]: v
+        for k, v in samples.items()
+        if k[0] == "kiwi_handover_duration_seconds_bucket" and ("gpu", "0") in k[1]
+    }
+    assert buckets == {
+        "0.005": 1,
+        "0.01": 3,
+        "0.05": 7,
+        "0.1": 8,
+        "0.5": 8,
+        "1.0": 9,
+        "5.0": 9,
+        "30.0": 9,
+        "+Inf": 9,
+    }
+    assert samples[("kiwi_handover_duration_seconds_count", labels(gpu="0"))] == 9
+    assert samples[("kiwi_handover_duration_seconds_sum", labels(gpu="0"))] == 1.25
+    assert samples[("kiwi_handover_duration_seconds_count", labels(gpu="1"))] == 0
+    assert samples[("kiwi_reloads_total", labels(result="ok"))] == 4
+    assert samples[("kiwi_reloads_total", labels(result="failed"))] == 1
+    assert "process_cpu_seconds" in families
+
+
+def test_an_older_or_idle_daemon_still_gives_valid_metrics(serve) -> None:
+    minimal = {"gpus": [{"id": "0", "holder": None, "waiters": [], "tenants": [{"id": "pid:1"}]}]}
+    families, samples = parse(scrape(serve(lambda: minimal)))
+    assert samples[("kiwi_reloads_total", labels(result="ok"))] == 0
+    assert samples[("kiwi_gpu_queue_length", labels(gpu="0"))] == 0
+    assert not families["kiwi_tenant_holding_seconds"].samples
+    assert not families["kiwi_handover_duration_seconds"].samples
+
+
+def test_ipv6_and_the_port_picked(serve) -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    try:
+        server = serve(listen="[::1]:0")
+    except MetricsError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    assert server.port > 0
+    _, samples = parse(scrape(server, host="[::1]"))
+    assert samples[("kiwi_gpu_tq_seconds", labels(gpu="0"))] == 20
+
+
+@pytest.mark.parametrize(
+    ("listen", "why"),
+    [
+        ("9417", "not HOST:PORT"),
+        (":9417", "not HOST:PORT"),
+        ("localhost:9417", "needs an IP address"),
+        ("127.0.0.1:http", "needs an IP address"),
+        ("127.0.0.1:70000", "port must be in 0..65535"),
+        ("::1:9417", "in brackets"),
+        ("[127.0.0.1]:9417", "in brackets"),
+    ],
+)
+def test_bad_listen_addresses_are_refused_with_the_reason(listen: str, why: str) -> None:
+    with pytest.raises(MetricsError, match=why) as info:
+        MetricsServer(listen, lambda: STATUS)
+    assert repr(listen) in str(info.value)
+
+
+def test_parse_listen() -> None:
+    assert parse_listen("0.0.0.0:9417") == ("0.0.0.0", 9417)
+    assert parse_listen("[::]:0") == ("::", 0)
+
+
+def test_an_address_in_use_or_not_local_names_the_address(serve) -> None:
+    first = serve()
+    listen = f"127.0.0.1:{first.port}"
+    with pytest.raises(MetricsError, match=f"cannot serve metrics on {listen}: .*in use"):
+        MetricsServer(listen, lambda: STATUS).start()
+    with pytest.raises(MetricsError, match="cannot serve metrics on 192.0.2.1:9417"):
+        MetricsServer("192.0.2.1:9417", lambda: STATUS).start()
+
+
+def test_stop_frees_the_port_and_joins_the_thread(serve) -> None:
+    server = serve()
+    port = server.port
+    scrape(server)
+    server.stop()
+    assert not [t for t in threading.enumerate() if t.name == "kiwid-metrics"]
+    with pytest.raises(urllib.error.URLError):
+        scrape(server)  # the listening socket is closed
+    again = serve(listen=f"127.0.0.1:{port}")  # and the port can be bound again at once
+    assert again.port == port
+    scrape(again)
+    server.stop()  # a second stop is harmless
+
+
+def test_the_snapshot_is_taken_per_scrape_and_not_at_registration() -> None:
+    calls: list[int] = []
+
+    def snapshot() -> dict[str, Any]:
+        calls.append(1)
+        return STATUS
+
+    registry = build_registry(snapshot, process=False)
+    assert calls == []
+    names = {f.name for f in registry.collect()}
+    assert calls == [1]
+    assert "kiwi_gpu_queue_length" in names
+    assert not any(n.startswith("process_") for n in names)

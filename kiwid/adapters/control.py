@@ -88,7 +88,15 @@ class Peer:
     groups: frozenset[int]
 
 
-Handler = Callable[[str, dict[str, Any], Peer], Awaitable[dict[str, Any]]]
+class EncodedResult(bytes):
+    """A result the handler already encoded as one JSON object (UTF-8, no newline).
+
+    The daemon hands its cached status over like this, so that a hundred
+    ``kiwictl status`` callers cost one encoding, not a hundred.
+    """
+
+
+Handler = Callable[[str, dict[str, Any], Peer], Awaitable[dict[str, Any] | EncodedResult]]
 
 
 def peer_of(sock: Any) -> Peer:
@@ -346,13 +354,15 @@ class ControlServer:
             if line.strip():
                 await self._answer(writer, line, peer)
 
-    async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
-        writer.write(_encode(message))
-        async with asyncio.timeout(self._idle_timeout_s):
-            await writer.drain()
+    async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any] | bytes) -> None:
+        writer.write(message if isinstance(message, bytes) else _encode(message))
+        if writer.transport.get_write_buffer_size():  # the client is slow to read: wait, bounded
+            async with asyncio.timeout(self._idle_timeout_s):
+                await writer.drain()
 
     async def _answer(self, writer: asyncio.StreamWriter, line: bytes, peer: Peer) -> None:
         rid: Any = None
+        response: dict[str, Any] | bytes
         try:
             try:
                 req = _decode(line)
@@ -384,11 +394,15 @@ class ControlServer:
             "forbidden", f"changing the scheduler needs {need} (you are uid {peer.uid})"
         )
 
-    async def _call(self, cmd: str, args: dict[str, Any], peer: Peer, rid: Any) -> dict[str, Any]:
+    async def _call(self, cmd: str, args: dict[str, Any], peer: Peer, rid: Any) -> bytes:
         try:
             result = await self._handler(cmd, args, peer)
-            response = {"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": result}
-            _encode(response)  # fail here, as internal, if the result is not JSON
+            if isinstance(result, EncodedResult):
+                head = json.dumps({"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": None})
+                response = head[: -len("null}")].encode() + result + b"}\n"
+            else:
+                # Encoded once, here: a result that is not JSON fails as internal.
+                response = _encode({"v": PROTOCOL_VERSION, "id": rid, "ok": True, "result": result})
         except ControlError:
             raise
         except Exception:

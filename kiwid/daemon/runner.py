@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
+import json
 import logging
 import math
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kiwid import __version__
-from kiwid.adapters.control import ControlError, ControlServer, Peer, SocketInUse
+from kiwid.adapters.control import ControlError, ControlServer, EncodedResult, Peer, SocketInUse
 from kiwid.adapters.gpu import DeviceInfo, GpuBackend, GpuBackendError, GpuLost
 from kiwid.adapters.notify import Notifier
 from kiwid.adapters.sim import SimBackend
@@ -98,6 +99,7 @@ class Daemon:
         self._watcher: ConfigWatcher | None = None
         self._last_status_line = ""
         self._status_cache: tuple[float, int, dict[str, Any]] | None = None
+        self._status_bytes: EncodedResult | None = None
         self._reloads = {"ok": 0, "failed": 0}
         self._status_line_generation = -1
         self._started = clock()
@@ -386,6 +388,9 @@ class Daemon:
         cached = self._status_cache
         if cached is None or cached[1] != generation or now - cached[0] > STATUS_MAX_AGE_S:
             self._status_cache = (now, generation, self.status())
+            self._status_bytes = EncodedResult(
+                json.dumps(self._status_cache[2], ensure_ascii=False, allow_nan=False).encode()
+            )
         assert self._status_cache is not None
         return self._status_cache[2]
 
@@ -412,7 +417,9 @@ class Daemon:
             uptime_s=self._clock() - self._started,
         )
 
-    async def handle_command(self, cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def handle_command(
+        self, cmd: str, args: dict[str, Any], peer: Peer
+    ) -> dict[str, Any] | EncodedResult:
         """Answer one control request (already validated and authorised).
 
         Raises:
@@ -421,7 +428,9 @@ class Daemon:
         if cmd == "ping":
             return {"version": __version__}
         if cmd == "status":
-            return self._cached_status()
+            self._cached_status()
+            assert self._status_bytes is not None
+            return self._status_bytes
         if cmd == "tenants":
             view = self.engine.scheduler.view(self._clock())
             return {

@@ -54,7 +54,9 @@ def frame(status: dict[str, Any], **kw: Any) -> str:
 def test_a_frame_shows_header_holder_queue_swap_and_tenants() -> None:
     text = frame(STATUS)
     first = text.splitlines()[0]
-    assert first.startswith("kiwi top · gpu-node-1 · kiwid 0.1.0 (pid 1) · up 1h02m · scheduling on")
+    assert first.startswith(
+        "kiwi top · gpu-node-1 · kiwid 0.1.0 (pid 1) · up 1h02m · scheduling on"
+    )
     assert first.endswith("q quits")
     assert "GPU 0 · NVIDIA H200 · TQ 30.0 s (file 20.0 s) · exclusive, contended" in text
     assert "4 hand-overs, mean 25 ms" in text

@@ -95,14 +95,18 @@ def test_top_shows_the_holder_and_queue_and_follows_the_rotation(
 
     wait_for(rotated, 15, "top to show the holder change twice")
     assert set(holders) == keys
-    pane = panes[-1]
-    assert pane.startswith("kiwi top · ")
-    assert "GPU 0 · " in pane and "TQ 1.0 s" in pane
-    # From the ledger: uptime in the header, and a share with the GPU time held.
-    assert " · up " in pane.splitlines()[0]
-    for key in keys:
-        row = next(line for line in pane.splitlines() if line.startswith(f"  {key} "))
-        assert re.search(r"\d+\.\d% ", row), row
+    assert panes[-1].startswith("kiwi top · ")
+    assert "GPU 0 · " in panes[-1] and "TQ 1.0 s" in panes[-1]
+
+    def ledger_shown() -> str | None:
+        """A frame with kiwid's uptime in the header and each tenant's share of GPU time."""
+        pane = tmux("capture-pane", "-p", "-t", "top")
+        rows = [ln for ln in pane.splitlines() if ln.startswith(tuple(f"  {k} " for k in keys))]
+        shares = [re.search(r" \d+\.\d% ", row) for row in rows]
+        up = " · up " in pane.split("\n", 1)[0]
+        return pane if up and len(rows) == 2 and all(shares) else None
+
+    wait_for(ledger_shown, 5, "the uptime and both tenants' shares of GPU time")
     tmux("send-keys", "-t", "top", "q")
     wait_for(lambda: not tmux.alive(), 5, "top to quit on q")
     assert rc_file.read_text().strip() == "0"
@@ -136,4 +140,3 @@ def test_explain_says_why_a_tenant_waits_and_whom_for(start_kiwid, tenants) -> N
     missing = k.ctl("explain", "no-such-tenant")
     assert missing.returncode == 1
     assert "kiwictl tenants" in missing.stderr
-

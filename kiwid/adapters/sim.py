@@ -16,6 +16,7 @@ A process that exits (or whose PID is reused) drops out automatically.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -78,6 +79,8 @@ class SimBackend:
         devices: How many simulated GPUs (indices ``0 .. devices - 1``).
         memory_bytes: Memory of each simulated GPU in bytes.
         clock: Monotonic seconds; timestamps the CPU-time samples.
+        persist: A JSON file that keeps the attachments across restarts of the
+            daemon (as a real GPU keeps its processes); ``None``: in memory only.
 
     Raises:
         ValueError: ``devices`` or ``memory_bytes`` is negative.
@@ -90,6 +93,7 @@ class SimBackend:
         devices: int = 1,
         memory_bytes: int = 80 * GIB,
         clock: Callable[[], float] = time.monotonic,
+        persist: Path | None = None,
     ) -> None:
         if devices < 0 or memory_bytes < 0:
             raise ValueError("devices and memory_bytes must not be negative")
@@ -101,6 +105,10 @@ class SimBackend:
         self._lock = threading.Lock()
         self._entries: dict[tuple[int, int], _Entry] = {}  # (pid, index) -> entry
         self._lost: set[int] = set()
+        self._dirty = False
+        self._persist = persist
+        if persist is not None:
+            self._load(persist)
 
     def devices(self) -> Sequence[DeviceInfo]:
         """List the simulated GPUs that are not lost.
@@ -139,6 +147,8 @@ class SimBackend:
         with self._lock:
             self._drop((pid, index))
             self._entries[(pid, index)] = entry
+            self._dirty = True
+            self._save()
 
     def detach(self, pid: int) -> bool:
         """Detach a process from every simulated GPU.
@@ -153,6 +163,7 @@ class SimBackend:
             keys = [key for key in self._entries if key[0] == pid]
             for key in keys:
                 self._drop(key)
+            self._save()
             return bool(keys)
 
     def set_activity(self, pid: int, activity: str) -> None:
@@ -219,6 +230,7 @@ class SimBackend:
         with self._lock:
             self._check_query(index)
             self._prune(index)
+            self._save()
             return [
                 GpuProcess(pid, entry.used_memory_bytes)
                 for (pid, i), entry in sorted(self._entries.items())
@@ -270,6 +282,7 @@ class SimBackend:
                 if base >= 0 and stat[0] > samples[base][1]:
                     active.add(pid)
                 entry.samples = [*samples[max(base, 0) :], (now, stat[0])]
+            self._save()
             return frozenset(active)
 
     def close(self) -> None:
@@ -293,8 +306,42 @@ class SimBackend:
     def _drop(self, key: tuple[int, int]) -> None:
         """Forget an attachment and close its descriptor (lock held)."""
         entry = self._entries.pop(key, None)
-        if entry is not None and entry.fd is not None:
-            os.close(entry.fd)
+        if entry is not None:
+            if entry.fd is not None:
+                os.close(entry.fd)
+            self._dirty = True
+
+    def _save(self) -> None:
+        """Write the attachments to the persist file, if any and changed (lock held)."""
+        if self._persist is None or not self._dirty:
+            return
+        self._dirty = False
+        doc = [
+            [pid, index, e.used_memory_bytes, e.activity, e.start_ticks]
+            for (pid, index), e in sorted(self._entries.items())
+        ]
+        tmp = self._persist.with_name(self._persist.name + ".tmp")
+        try:
+            self._persist.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(doc))
+            tmp.replace(self._persist)
+        except OSError:
+            self._dirty = True  # try again at the next change
+
+    def _load(self, path: Path) -> None:
+        """Re-attach the live processes of a previous run (a PID reused since is skipped)."""
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        for item in doc if isinstance(doc, list) else ():
+            try:
+                pid, index, memory, activity, start_ticks = item
+                stat = _read_stat(int(pid))
+                if stat is not None and stat[1] == start_ticks:
+                    self.attach(int(pid), int(index), int(memory), str(activity))
+            except (TypeError, ValueError):
+                continue
 
     def _prune(self, index: int) -> None:
         """Drop a GPU's attachments whose process exited or whose PID was reused.

@@ -38,14 +38,7 @@ class AmbiguousTenant(LookupError):
 
 
 def format_duration(seconds: float | None) -> str:
-    """Say a duration briefly: ``12.3 s``, ``5m10s``, ``2h03m``.
-
-    Args:
-        seconds: Non-negative seconds, or ``None``.
-
-    Returns:
-        The text (``?`` for ``None``).
-    """
+    """Say a duration briefly: ``12.3 s``, ``5m10s``, ``2h03m`` (``?`` for ``None``)."""
     if seconds is None:
         return "?"
     if seconds < 60:
@@ -57,14 +50,7 @@ def format_duration(seconds: float | None) -> str:
 
 
 def format_bytes(n: float | None) -> str:
-    """Say a size briefly: ``512 B``, ``1.5 GiB``.
-
-    Args:
-        n: Bytes, or ``None``.
-
-    Returns:
-        The text (``?`` for ``None``).
-    """
+    """Say a size briefly: ``512 B``, ``1.5 GiB`` (``?`` for ``None``)."""
     if n is None:
         return "?"
     size = float(n)
@@ -331,12 +317,8 @@ def _corunning(who: str, f: Json, scheduling: Any) -> str:
 def ledger_text(ledger: Mapping[str, Any] | None, uptime_s: float | None = None) -> str:
     """The ledger in one sentence (``Ledger: held 5m10s in 11 quanta (…), waited 4m02s.``).
 
-    Args:
-        ledger: The tenant's ledger, or ``None``.
-        uptime_s: Seconds since kiwid started (the ledger's origin), if known.
-
-    Returns:
-        The sentence; empty when there is no ledger.
+    ``uptime_s`` (since kiwid started, the ledger's origin) is told when known; no
+    ledger gives an empty string.
     """
     if not ledger:
         return ""

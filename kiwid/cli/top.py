@@ -88,10 +88,10 @@ class ShareTracker:
         return bool(self._samples) and (self._samples[-1][0] - self._samples[0][0] >= self.window_s)
 
     def label(self) -> str:
-        """The column heading: ``SHARE 5m``, or ``SHARE since start`` while the window fills."""
+        """The column heading: ``SHARE 5m``, or ``SHARE all`` (since kiwid started)."""
         if self.full or not self._uptime_known:
-            return f"SHARE {format_duration(self.window_s).replace('m00s', 'm')}"
-        return "SHARE since start"
+            return f"SHARE {format_duration(self.window_s).replace('m00s', 'm').replace(' ', '')}"
+        return "SHARE all"
 
     def share(self, tenant: str, gpu: str) -> float | None:
         """The tenant's fraction of the GPU's time (0..1), or ``None`` if unknown.
@@ -172,21 +172,28 @@ def _tenant_rows(gpu: Mapping[str, Any], shares: ShareTracker, width: int) -> li
     if not tenants:
         return ["  no tenants"]
     gid = str(gpu.get("id"))
-    id_w = min(max(len("TENANT"), *(len(str(t["id"])) for t in tenants)), max(12, width // 3))
-    head = f"{shares.label():<{_BAR + 6}}"
+    longest = max(len("TENANT"), *(len(str(t["id"])) for t in tenants))
+    # Besides the tenant and share columns a row takes 53 characters; the share's
+    # bar is drawn where it fits, else the ids are cut (to 12 at least).
+    bar = width >= longest + 53 + 10 + _BAR
+    share_w = 10 + _BAR if bar else 9
+    id_w = min(longest, max(12, width - 53 - share_w))
+    head = f"{shares.label():<{share_w}}"
     rows = [
         f"  {'TENANT':<{id_w}}  {'STATE':<9}  {head}  {'HELD':>7}  QUANTA  {'WAITED':>7}  MEMORY"
     ]
     for t in tenants:
         ledger = t.get("ledger") or {}
         share = shares.share(str(t["id"]), gid)
-        share_text = "-" if share is None else f"{100 * share:5.1f}% {_bar(share)}"
+        share_text = "-" if share is None else f"{100 * share:5.1f}%"
+        if bar and share is not None:
+            share_text += f"   {_bar(share)}"
         held = format_duration(ledger["holding_s"]) if "holding_s" in ledger else "-"
         waited = format_duration(ledger["waiting_s"]) if "waiting_s" in ledger else "-"
         quanta = str(ledger.get("quanta", "-"))
         state = str(t.get("state")) + ("!" if t.get("gate_failure") else "")
         rows.append(
-            f"  {_cut(str(t['id']), id_w):<{id_w}}  {state:<9}  {share_text:<{_BAR + 6}}  "
+            f"  {_cut(str(t['id']), id_w):<{id_w}}  {state:<9}  {share_text:<{share_w}}  "
             f"{held:>7}  {quanta:>6}  {waited:>7}  {format_bytes(t.get('footprint_bytes'))}"
         )
     return rows
@@ -277,6 +284,14 @@ def _screen(out: TextIO, keys: int | None) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _terminal_size(out: TextIO) -> os.terminal_size:
+    """The terminal's size now (``$COLUMNS`` and ``$LINES`` go stale when it is resized)."""
+    try:
+        return os.get_terminal_size(out.fileno())
+    except (OSError, ValueError):  # not a terminal (io.UnsupportedOperation is an OSError)
+        return shutil.get_terminal_size()
+
+
 def _wait_key(keys: int | None, timeout_s: float) -> str:
     if keys is None:
         time.sleep(timeout_s)  # nothing to read keys from: just refresh
@@ -328,7 +343,7 @@ def run(
     if once:
         status = request(sock, "status")
         shares.add(status, time.monotonic())
-        width = shutil.get_terminal_size().columns if out.isatty() else None
+        width = _terminal_size(out).columns if out.isatty() else None
         out.write("\n".join(render(status, shares, node=node, width=width)) + "\n")
         return 0
     stream = keys or sys.stdin
@@ -336,7 +351,7 @@ def run(
     with contextlib.suppress(KeyboardInterrupt), _screen(out, fd):
         while True:
             status, error = _frame(sock, shares, interval)
-            size = shutil.get_terminal_size()
+            size = _terminal_size(out)
             lines = render(
                 status, shares, node=node, width=size.columns, height=size.lines, error=error
             )

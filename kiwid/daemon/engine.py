@@ -169,6 +169,12 @@ class Engine:
                     failed.append(record.tenant)
         return failed
 
+    async def release(self, record: GatedRecord) -> bool:
+        """Ungate one recorded tenant (one this daemon did not gate itself)."""
+        async with self._lock:
+            self.generation += 1
+            return await self._ungate(record)
+
     def close(self) -> None:
         """Stop the worker thread (after :meth:`ungate_all`)."""
         self._pool.shutdown(wait=True)

@@ -31,6 +31,16 @@ def identify(pid: int) -> Identity | None:
         return None
     if tenant is None:
         return None
+    if f"/kiwi/pid-{pid}" in (tenant.cgroup_v2, tenant.cgroup_v1_freezer):
+        # A bare process that a kiwid isolated earlier: still the same bare tenant.
+        return Identity(
+            key=f"pid:{pid}",
+            kind="process",
+            name=f"pid {pid}",
+            cgroup_v2=tenant.cgroup_v2,
+            cgroup_v1_freezer=tenant.cgroup_v1_freezer,
+            dedicated=False,
+        )
     return Identity(
         key=tenant.key,
         kind=tenant.kind,

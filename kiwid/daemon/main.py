@@ -63,6 +63,8 @@ def make_backend(settings: Settings) -> GpuBackend:
         return SimBackend(
             devices=settings.gpu.sim_devices,
             memory_bytes=int(settings.gpu.sim_memory_gib * 2**30),
+            # A real GPU keeps its processes when kiwid restarts; so does the sim.
+            persist=Path(settings.daemon.state_dir) / "sim.json",
         )
     from kiwid.adapters.nvml import NvmlBackend  # noqa: PLC0415 - loads libnvidia-ml lazily
 

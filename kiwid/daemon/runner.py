@@ -28,14 +28,14 @@ from kiwid.adapters.notify import Notifier
 from kiwid.adapters.sim import SimBackend
 from kiwid.adapters.watch import ConfigWatcher, WatchError
 from kiwid.config import ConfigError, LoadedConfig, Settings, load_config
-from kiwid.core.events import GpusConfigured
-from kiwid.core.model import GpuPolicy
+from kiwid.core.events import ActivitySeen, GpusConfigured
+from kiwid.core.model import GpuPolicy, TenantState
 from kiwid.core.scheduler import Scheduler
 from kiwid.daemon import policy
 from kiwid.daemon.engine import Engine
 from kiwid.daemon.gates import GateError, TenantGate, ungate_record
 from kiwid.daemon.logs import seconds, set_level
-from kiwid.daemon.state import StateError, StateFile
+from kiwid.daemon.state import GatedRecord, StateError, StateFile
 from kiwid.daemon.status import build_status, summary_line, tenant_json
 from kiwid.daemon.tenants import GpuSample, Identity, TenantTracker
 
@@ -102,6 +102,7 @@ class Daemon:
         self._status_bytes: EncodedResult | None = None
         self._reloads = {"ok": 0, "failed": 0}
         self._status_line_generation = -1
+        self._adopt: dict[str, GatedRecord] = {}
         self._started = clock()
         for warning in loaded.warnings:
             log.warning("%s: %s", config_path, warning)
@@ -205,13 +206,20 @@ class Daemon:
             log.warning("Not watching %s (%s): use systemctl reload kiwid", self.config_path, err)
 
     def _recover_previous(self) -> None:
-        """Ungate whatever a previous kiwid left gated (crash, SIGKILL)."""
+        """Read what a previous kiwid (crash, SIGKILL, restart) left gated.
+
+        Tenants gated another way than this daemon gates are ungated at once;
+        the rest wait for the first poll, which decides (:meth:`_adopt_previous`).
+        """
         try:
             records = self.state.load()
         except StateError as err:
             log.warning("Ignoring the state file: %s", err)
             records = {}
         for record in records.values():
+            if record.method == self.engine.gate.method:
+                self._adopt[record.tenant] = record
+                continue
             try:
                 ungate_record(record)
             except GateError as err:
@@ -225,6 +233,45 @@ class Daemon:
             self.state.drop(record.tenant)
         if not self.state.records:
             self.state.clear()
+
+    async def _adopt_previous(self) -> None:
+        """After a poll: queue the previous daemon's waiters again, or ungate them.
+
+        They are frozen, so they show no GPU activity. One is re-adopted (queued
+        again, and never thawed) as soon as someone runs on its GPUs; until then
+        it stays frozen for at most ``idle_release`` seconds — the time in which
+        a running tenant shows its activity — after which it is queued anyway
+        and, with nobody ahead, granted. A tenant that is gone is ungated at once.
+        Nothing stays gated that nobody manages.
+        """
+        known = self.engine.tracker.tenants
+        scheduler = self.engine.scheduler
+        patience = min((p.idle_release_s for p in self.policies().values()), default=0.0)
+        waited_enough = self._clock() - self._started >= patience
+        ready: list[str] = []
+        for key in list(self._adopt):
+            info = known.get(key)
+            if info is None:
+                record = self._adopt.pop(key)
+                if await self.engine.release(record):
+                    log.info("Ungated %s, left gated by a previous kiwid", key)
+                continue
+            running = any(
+                scheduler.tenant_state(other) in (TenantState.HOLDER, TenantState.CORUNNING)
+                for other, o in known.items()
+                if other != key and o.gpus & info.gpus
+            )
+            if running or waited_enough:
+                ready.append(key)
+        if not ready:
+            return
+        records = {key: self._adopt.pop(key) for key in ready}
+        await self.engine.apply([ActivitySeen(key) for key in ready])
+        for key, record in records.items():
+            if scheduler.tenant_state(key) is TenantState.WAITING:
+                log.info("Re-adopted %s: still waiting for its turn", key)
+            elif await self.engine.release(record):
+                log.info("Ungated %s, left gated by a previous kiwid: its turn", key)
 
     async def _loop(self) -> None:
         assert self._wake is not None
@@ -240,6 +287,8 @@ class Daemon:
             if now >= next_poll:
                 await self.poll()
                 next_poll = now + self.settings.gpu.poll_interval
+                if self._adopt:
+                    await self._adopt_previous()
             deadline = self.engine.scheduler.next_deadline()
             if deadline is not None and deadline <= self._clock():
                 await self.engine.tick()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import socket
 import threading
 import urllib.error
@@ -132,7 +133,7 @@ def serve() -> Iterator[Callable[..., MetricsServer]]:
 
 def scrape(server: MetricsServer, host: str = "127.0.0.1") -> str:
     url = f"http://{host}:{server.port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310 - http to ourselves
+    with urllib.request.urlopen(url, timeout=5) as reply:
         assert reply.status == 200
         assert reply.headers["Content-Type"].startswith("text/plain")
         return str(reply.read().decode())
@@ -279,9 +280,11 @@ def test_parse_listen() -> None:
 def test_an_address_in_use_or_not_local_names_the_address(serve) -> None:
     first = serve()
     listen = f"127.0.0.1:{first.port}"
-    with pytest.raises(MetricsError, match=f"cannot serve metrics on {listen}: .*in use"):
+    with pytest.raises(
+        MetricsError, match=rf"cannot serve metrics on {re.escape(listen)}: .*in use"
+    ):
         MetricsServer(listen, lambda: STATUS).start()
-    with pytest.raises(MetricsError, match="cannot serve metrics on 192.0.2.1:9417"):
+    with pytest.raises(MetricsError, match=r"cannot serve metrics on 192\.0\.2\.1:9417"):
         MetricsServer("192.0.2.1:9417", lambda: STATUS).start()
 
 

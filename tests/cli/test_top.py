@@ -114,7 +114,7 @@ def test_share_is_since_start_until_the_window_fills_then_over_the_window() -> N
     shares = ShareTracker(window_s=60)
     a, b = "docker:ab12cd34ef56", "pid:777"
     shares.add(with_holding(STATUS, 30, {a: 30, b: 0}), 0)
-    assert shares.label() == "SHARE since start"
+    assert shares.label() == "SHARE all"
     assert shares.share(a, "0") == 1.0
     assert shares.share(b, "0") == 0.0
     assert shares.share("pid:nobody", "0") is None
@@ -161,7 +161,7 @@ class KeyAfterFrame(io.StringIO):
 def terminal() -> Iterator[tuple[int, io.TextIOWrapper]]:
     """A pseudo-terminal: (its master fd, its slave side as a text file)."""
     master, slave = pty.openpty()
-    keys = open(slave, "r", closefd=True)  # noqa: SIM115 - closed below
+    keys = open(slave, closefd=True)  # noqa: SIM115 - closed below
     yield master, keys
     keys.close()
     os.close(master)

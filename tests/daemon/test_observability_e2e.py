@@ -1,4 +1,4 @@
-"""``kiwictl top`` in a real terminal (tmux) and ``kiwictl explain``, against a real kiwid."""
+"""``kiwictl top`` in tmux, ``kiwictl explain`` and the metrics, against a real kiwid."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import re
 import shlex
 import shutil
 import subprocess
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from kiwid.adapters.metrics import MetricsServer
 from tests.daemon.conftest import KIWICTL, REPO, wait_for
 
 pytestmark = pytest.mark.slow
@@ -107,6 +110,13 @@ def test_top_shows_the_holder_and_queue_and_follows_the_rotation(
         return pane if up and len(rows) == 2 and all(shares) else None
 
     wait_for(ledger_shown, 5, "the uptime and both tenants' shares of GPU time")
+    k.stop()  # kiwid goes away: top says so and keeps retrying
+
+    def unreachable() -> bool:
+        return "kiwid unreachable: " in tmux("capture-pane", "-p", "-t", "top")
+
+    wait_for(unreachable, 5, "top to say that kiwid went away")
+    assert tmux.alive()
     tmux("send-keys", "-t", "top", "q")
     wait_for(lambda: not tmux.alive(), 5, "top to quit on q")
     assert rc_file.read_text().strip() == "0"
@@ -140,3 +150,59 @@ def test_explain_says_why_a_tenant_waits_and_whom_for(start_kiwid, tenants) -> N
     missing = k.ctl("explain", "no-such-tenant")
     assert missing.returncode == 1
     assert "kiwictl tenants" in missing.stderr
+
+
+def test_metrics_from_a_real_kiwids_status_parse_and_keep_departed_tenants(
+    start_kiwid, tenants
+) -> None:
+    """The collector against what kiwid really answers (the daemon serves it the same way)."""
+    k = start_kiwid(tq=30, idle_release=5, poll=0.05)
+    a, b = tenants("a"), tenants("b")
+    k.attach(a.pid)
+    wait_for(lambda: k.status()["gpus"][0]["holder"], 5, "a to hold the GPU")
+    k.attach(b.pid)
+    wait_for(b.frozen, 5, "b to be gated behind a")
+    server = MetricsServer("127.0.0.1:0", k.status)
+    server.start()
+    try:
+        samples = scrape(server)
+        assert samples[("kiwi_gpu_holder_info", (("gpu", "0"), ("tenant", a.key)))] == 1
+        assert samples[("kiwi_gpu_queue_length", (("gpu", "0"),))] == 1
+        assert samples[("kiwi_reloads_total", (("result", "ok"),))] == 0
+        assert samples[("kiwi_gpu_tq_seconds", (("gpu", "0"),))] == 30
+        quanta = {
+            dict(lb)["tenant"]: v
+            for (n, lb), v in samples.items()
+            if n == "kiwi_tenant_quanta_total"
+        }
+        assert quanta == {a.key: 1, b.key: 0}
+        assert ("kiwi_handover_duration_seconds_count", (("gpu", "0"),)) in samples
+        a.proc.kill()
+        a.proc.wait()
+        wait_for(lambda: not b.frozen(), 5, "b to be let go when a exits")
+
+        def departed_and_handed_over() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            now = scrape(server)
+            return now if ("kiwi_gpu_holder_info", (("gpu", "0"), ("tenant", b.key))) in now else {}
+
+        samples = wait_for(departed_and_handed_over, 5, "b to hold the GPU in the metrics")
+        held = {
+            dict(lb)["tenant"]: v
+            for (n, lb), v in samples.items()
+            if n == "kiwi_tenant_holding_seconds_total"
+        }
+        assert set(held) == {a.key, b.key}  # a is gone but still exported (grace period)
+        assert held[a.key] > 0
+    finally:
+        server.stop()
+
+
+def scrape(server: MetricsServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -88,7 +87,7 @@ def test_sigterm_thaws_everyone_and_clears_the_state(start_kiwid, tenants, workd
     assert "no tenant is gated" in k.log_text()
 
 
-def test_after_sigkill_recover_thaws_and_a_restart_would_too(start_kiwid, tenants, workdir) -> None:
+def test_after_sigkill_recover_thaws(start_kiwid, tenants, workdir) -> None:
     k = start_kiwid(tq=30, poll=0.05)
     a, b = tenants("a"), tenants("b")
     k.attach(a.pid)
@@ -103,16 +102,6 @@ def test_after_sigkill_recover_thaws_and_a_restart_would_too(start_kiwid, tenant
     )
     assert out.returncode == 0, out.stderr
     assert b.key in out.stderr
-    assert not b.frozen()
-    # Again frozen by hand, as a dead kiwid would leave it, then a new kiwid starts.
-    (b.v2 / "cgroup.freeze").write_text("1")
-    (workdir / "state").mkdir(exist_ok=True)
-    record = {"method": "freeze", "cgroup_v2": b.key.removeprefix("cgroup:"), "pids": [b.pid]}
-    (workdir / "state" / "state.json").write_text(
-        json.dumps({"version": 1, "gated": {b.key: {**record, "cgroup_v1_freezer": None}}})
-    )
-    k2 = start_kiwid()
-    k2.wait_log("left gated by a previous kiwid")
     assert not b.frozen()
 
 
@@ -162,3 +151,43 @@ def test_bare_processes_are_isolated_frozen_alone_and_cleaned_up(start_kiwid, wo
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_restarted_kiwid_re_adopts_its_waiters_without_thawing_them(
+    start_kiwid, tenants, workdir
+) -> None:
+    k = start_kiwid(tq=30, poll=0.05)
+    a, b = tenants("a"), tenants("b")
+    k.attach(a.pid)
+    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
+    k.attach(b.pid)
+    wait_for(b.frozen, 5, "b to be gated")
+    k.proc.kill()
+    k.proc.wait()
+    k2 = start_kiwid(wait_ready=False)
+    thawed_at_some_point = False
+    deadline = time.monotonic() + 10
+    while "Re-adopted" not in k2.log_text():
+        thawed_at_some_point |= not b.frozen()
+        assert time.monotonic() < deadline, k2.log_text()
+        assert k2.proc.poll() is None, k2.log_text()
+    assert not thawed_at_some_point, "a re-adopted waiter must stay frozen"
+    assert f"Re-adopted {b.key}" in k2.log_text()
+    wait_for(lambda: holder(k2) == a.key, 5, "a to hold the GPU again")
+    assert b.frozen()
+    assert k2.tenant_states()[b.key] == "waiting"
+
+
+def test_a_restarted_kiwid_ungates_what_it_no_longer_sees(start_kiwid, tenants, workdir) -> None:
+    k = start_kiwid(tq=30, poll=0.05)
+    a, b = tenants("a"), tenants("b")
+    k.attach(a.pid)
+    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
+    k.attach(b.pid)
+    wait_for(b.frozen, 5, "b to be gated")
+    k.proc.kill()
+    k.proc.wait()
+    (workdir / "state" / "sim.json").unlink()  # the new kiwid sees no GPU processes
+    k2 = start_kiwid()
+    k2.wait_log(f"Ungated {b.key}, left gated by a previous kiwid")
+    assert not b.frozen()

@@ -1,0 +1,412 @@
+"""The Ansible rollout and the systemd unit, on real systemd hosts (issue #5).
+
+One fleet of three booted hosts (two pure cgroup2, one hybrid where this machine
+has the hybrid layout) is shared by the tests of this module, which run in file
+order, each leaving the fleet deployed and running for the next:
+
+1. site.yml: the first run changes things, the second nothing; kiwid reached READY.
+2. A TQ change in the inventory is a reload (same MainPID), logged ``New TQ = ...``;
+   --check --diff shows it first and changes nothing; tq.yml -e does the same.
+3. A hand edit plus ``systemctl reload`` applies; a broken hand edit is refused
+   with the unit still active; a broken template is refused by ``validate``, and
+   the serial rollout stops at the first host.
+4. The watchdog restarts a SIGSTOPped kiwid; after SIGKILL the unit restarts and
+   ExecStopPost= has thawed a real tenant that kiwid had frozen.
+5. upgrade.yml restarts one host at a time into a new version; uninstall.yml
+   thaws everything and removes what the role installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.deploy.hosts import Fleet, Host, jsonish, wait_for
+from tests.deploy.playbook import (
+    Ansible,
+    Run,
+    build_wheels,
+    next_version,
+    project_version,
+    source_copy,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+KIWICTL = "/opt/kiwi/bin/kiwictl"
+KIWI_PYTHON = "/opt/kiwi/bin/python"
+ATTACH = (
+    "import sys\n"
+    "from kiwid.adapters.control import request\n"
+    "for pid in sys.argv[1:]:\n"
+    "    request('/run/kiwi/kiwid.sock', 'sim-attach',\n"
+    "            {'pid': int(pid), 'gpu': 0, 'memory_bytes': 1 << 30, 'activity': 'active'})\n"
+)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def status(host: Host) -> dict[str, Any]:
+    return jsonish(host.run(KIWICTL, "status", "--json").stdout)
+
+
+def tq(host: Host) -> tuple[float, float]:
+    gpu = status(host)["gpus"][0]
+    return gpu["tq"], gpu["tq_configured"]
+
+
+def unit(host: Host) -> dict[str, str]:
+    return host.show(
+        "kiwid",
+        "ActiveState",
+        "SubState",
+        "MainPID",
+        "NRestarts",
+        "StatusText",
+        "WatchdogUSec",
+        "LoadState",
+    )
+
+
+def now(host: Host) -> str:
+    """A mark in the host's clock for ``journal(since=...)``."""
+    return host.sh("date +%s.%N").strip()
+
+
+def journal(host: Host, since: str | None = None) -> str:
+    argv = ["journalctl", "-u", "kiwid", "-o", "cat", "--no-pager"]
+    if since:
+        argv += ["--since", f"@{since}"]
+    return host.run(*argv).stdout
+
+
+def wait_running(host: Host, other_than: str | None = None, timeout: float = 40) -> dict[str, str]:
+    """Wait until kiwid is active (running), with a MainPID other than ``other_than``."""
+
+    def ready() -> dict[str, str] | None:
+        u = unit(host)
+        fresh = other_than is None or u["MainPID"] not in (other_than, "0")
+        return u if fresh and (u["ActiveState"], u["SubState"]) == ("active", "running") else None
+
+    return wait_for(ready, timeout, f"kiwid on {host.name} to be active (running)")
+
+
+def wait_tq(host: Host, want: float, timeout: float = 20) -> None:
+    wait_for(lambda: tq(host) == (want, want), timeout, f"TQ {want} on {host.name}")
+
+
+def assert_ok(run: Run) -> None:
+    assert run.returncode == 0, run.explain()
+
+
+def cgroup_dir(host: Host, service: str) -> str:
+    group = host.show(service, "ControlGroup")["ControlGroup"]
+    root = "/sys/fs/cgroup/unified" if host.layout == "hybrid" else "/sys/fs/cgroup"
+    return f"{root}{group}"
+
+
+def frozen(host: Host, service: str) -> bool:
+    events = host.run("cat", f"{cgroup_dir(host, service)}/cgroup.events").stdout
+    return "frozen 1" in events.splitlines()
+
+
+def cpu_ticks(host: Host, pid: str) -> int:
+    fields = host.run("cat", f"/proc/{pid}/stat").stdout.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+@contextlib.contextmanager
+def frozen_tenant(hosts: list[Host]) -> Iterator[dict[str, tuple[str, str]]]:
+    """On each host, two busy tenants (transient services) on kiwid's sim GPU.
+
+    Yields ``{host: (waiting service, its PID)}`` once kiwid has frozen the waiter;
+    the tenants are stopped afterwards whatever happened.
+    """
+    services = ("kiwi-tenant-a.service", "kiwi-tenant-b.service")
+    try:
+        for host in hosts:
+            pids = []
+            for service in services:
+                host.run(
+                    "systemd-run", "--quiet", "--collect", f"--unit={service}",
+                    "/usr/bin/python3", "-c", "while True: pass",
+                )  # fmt: skip
+                pids.append(host.show(service, "MainPID")["MainPID"])
+            host.run(KIWI_PYTHON, "-c", ATTACH, *pids)
+        waiting: dict[str, tuple[str, str]] = {}
+        for host in hosts:
+
+            def one_frozen(host: Host = host) -> tuple[str, str] | None:
+                for service in services:
+                    if frozen(host, service):
+                        return service, host.show(service, "MainPID")["MainPID"]
+                return None
+
+            waiting[host.name] = wait_for(one_frozen, 20, f"a frozen tenant on {host.name}")
+            assert sum(frozen(host, s) for s in services) == 1, "exactly one waits"
+        yield waiting
+    finally:
+        for host in hosts:
+            with contextlib.suppress(Exception):
+                for service in services:
+                    host.run("sh", "-c", f"echo 0 > {cgroup_dir(host, service)}/cgroup.freeze")
+                host.run("systemctl", "stop", *services, check=False)
+
+
+@pytest.fixture(scope="module")
+def deployed(ansible: Ansible) -> tuple[Run, Run]:
+    """site.yml run twice against the fresh fleet."""
+    first = ansible.play("site.yml")
+    assert_ok(first)
+    second = ansible.play("site.yml")
+    return first, second
+
+
+# ---------------------------------------------------------------- 1. converge
+
+
+def test_first_run_changes_things_and_the_second_nothing(
+    deployed: tuple[Run, Run], fleet: Fleet
+) -> None:
+    first, second = deployed
+    assert_ok(second)
+    for host in fleet.hosts:
+        assert first.changed(host.name) > 0, first.explain()
+        assert second.changed(host.name) == 0, second.explain()
+        u = unit(host)
+        # Type=notify: "active (running)" only after READY=1.
+        assert (u["ActiveState"], u["SubState"]) == ("active", "running"), u
+        assert u["StatusText"].startswith("GPU 0: TQ 30 s"), u
+        log = journal(host)
+        assert "Started kiwid.service" in log, log
+        assert "ready: 1 GPU(s), TQ 30 s" in log, log
+        # The unit as installed verifies, with its real paths.
+        verify = host.run(
+            "systemd-analyze", "verify", "/etc/systemd/system/kiwid.service", check=False
+        )
+        assert verify.returncode == 0 and verify.stdout + verify.stderr == "", verify
+        assert host.run("getent", "group", "kiwi", check=False).returncode == 0
+        print(f"{host.name} ({host.layout}): first run {first.seconds:.0f} s")
+
+
+def test_check_mode_on_a_converged_fleet_changes_nothing(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet
+) -> None:
+    run = ansible.play("site.yml", "--check", "--diff")
+    assert_ok(run)
+    for host in fleet.hosts:
+        assert run.changed(host.name) == 0, run.explain()
+
+
+# ---------------------------------------------------------------- 2. TQ
+
+
+def test_tq_change_in_the_inventory_is_a_reload(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet
+) -> None:
+    before = {h.name: unit(h) for h in fleet.hosts}
+    ansible.vars["kiwid_tq"] = 20
+
+    dry = ansible.play("site.yml", "--check", "--diff")
+    assert_ok(dry)
+    assert "-tq = 30.0" in dry.output and "+tq = 20.0" in dry.output, dry.explain()
+    for host in fleet.hosts:
+        assert dry.changed(host.name) > 0, dry.explain()
+        assert tq(host) == (30.0, 30.0), "check mode changed nothing"
+
+    marks = {h.name: now(h) for h in fleet.hosts}
+    run = ansible.play("site.yml")
+    assert_ok(run)
+    for host in fleet.hosts:
+        assert tq(host) == (20.0, 20.0)
+        after = unit(host)
+        assert after["MainPID"] == before[host.name]["MainPID"], "a reload, not a restart"
+        assert after["NRestarts"] == before[host.name]["NRestarts"]
+        log = journal(host, marks[host.name])
+        assert "[INFO] New TQ = 20" in log, log
+        assert "Stopped kiwid.service" not in log, log
+
+
+def test_tq_playbook_changes_tq_fleet_wide(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet
+) -> None:
+    before = {h.name: unit(h)["MainPID"] for h in fleet.hosts}
+    marks = {h.name: now(h) for h in fleet.hosts}
+    run = ansible.play("tq.yml", extra={"kiwid_tq": 25})
+    assert_ok(run)
+    ansible.vars["kiwid_tq"] = 25  # as an operator would, to make it stick
+    for host in fleet.hosts:
+        assert run.changed(host.name) > 0, run.explain()
+        assert tq(host) == (25.0, 25.0)
+        assert unit(host)["MainPID"] == before[host.name]
+        assert "[INFO] New TQ = 25" in journal(host, marks[host.name])
+    again = ansible.play("tq.yml")
+    assert_ok(again)
+    assert all(again.changed(h.name) == 0 for h in fleet.hosts), again.explain()
+
+
+# ---------------------------------------------------------------- 3. reload by hand, validate
+
+
+def test_hand_edit_and_systemctl_reload(deployed: tuple[Run, Run], fleet: Fleet) -> None:
+    for host in fleet.hosts:
+        pid = unit(host)["MainPID"]
+        mark = now(host)
+        host.sh("sed -i 's/^tq = .*/tq = 40.0/' /etc/kiwi.toml && systemctl reload kiwid")
+        wait_tq(host, 40.0)  # systemctl reload returns before kiwid's READY=1
+        log = journal(host, mark)
+        assert "(SIGHUP" in log and "[INFO] New TQ = 40" in log, log
+        assert unit(host)["MainPID"] == pid
+
+        # A broken file written by hand: refused, old config in force, unit active.
+        mark = now(host)
+        host.sh("echo '[scheduler' >> /etc/kiwi.toml && systemctl reload kiwid")
+        wait_for(
+            lambda host=host: not status(host)["config"]["last_reload"]["ok"],
+            20,
+            f"the broken file to be refused on {host.name}",
+        )
+        u = unit(host)
+        assert (u["ActiveState"], u["SubState"], u["MainPID"]) == ("active", "running", pid)
+        assert tq(host) == (40.0, 40.0)
+        assert "reload failed" in u["StatusText"], u
+        assert "Reload failed; the running configuration stays in force" in journal(host, mark)
+
+
+def test_broken_template_is_refused_and_the_rollout_stops(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet
+) -> None:
+    def snapshot(host: Host) -> tuple[str, str, tuple[float, float]]:
+        return host.sh("sha256sum /etc/kiwi.toml"), unit(host)["MainPID"], tq(host)
+
+    before = {h.name: snapshot(h) for h in fleet.hosts}
+    run = ansible.play("site.yml", extra={"kiwid_tq": -1, "kiwid_serial": 1})
+    assert run.returncode != 0, run.explain()
+    assert "failed to validate" in run.output, run.explain()
+    # serial: 1 and max_fail_percentage: 0 -> the first host failed, nobody else ran.
+    assert len(run.recap) == 1 and next(iter(run.recap.values()))["failed"] == 1, run.explain()
+    for host in fleet.hosts:
+        assert snapshot(host) == before[host.name], "nothing changed on any host"
+        assert unit(host)["ActiveState"] == "active"
+
+    # The next good run puts the inventory's file back: a reload, no restart.
+    fixed = ansible.play("site.yml")
+    assert_ok(fixed)
+    for host in fleet.hosts:
+        assert tq(host) == (25.0, 25.0)
+        assert status(host)["config"]["last_reload"]["ok"]
+        assert unit(host)["MainPID"] == before[host.name][1]
+
+
+# ---------------------------------------------------------------- 4. watchdog, SIGKILL
+
+
+def test_watchdog_restarts_a_hung_kiwid(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet
+) -> None:
+    before = {h.name: unit(h) for h in fleet.hosts}
+    marks = {h.name: now(h) for h in fleet.hosts}
+    ansible.vars["kiwid_systemd_overrides"] = {"WatchdogSec": "3s"}
+    run = ansible.play("site.yml")
+    assert_ok(run)
+    for host in fleet.hosts:
+        u = unit(host)
+        assert u["WatchdogUSec"] == "3s", u
+        # A unit change restarts (after daemon-reload) and does not also reload.
+        assert u["MainPID"] != before[host.name]["MainPID"]
+        assert "(SIGHUP" not in journal(host, marks[host.name])
+
+    hung = {h.name: unit(h) for h in fleet.hosts}
+    marks = {h.name: now(h) for h in fleet.hosts}
+    for host in fleet.hosts:
+        host.run("systemctl", "kill", "--kill-who=main", "--signal=SIGSTOP", "kiwid")
+    for host in fleet.hosts:
+        after = wait_running(host, other_than=hung[host.name]["MainPID"], timeout=40)
+        assert int(after["NRestarts"]) == int(hung[host.name]["NRestarts"]) + 1, after
+        log = journal(host, marks[host.name])
+        assert "Watchdog timeout" in log and "Failed with result 'watchdog'" in log, log
+        assert tq(host) == (25.0, 25.0)
+
+
+def test_sigkill_restarts_and_execstoppost_thaws_the_frozen_tenant(
+    deployed: tuple[Run, Run], fleet: Fleet
+) -> None:
+    with frozen_tenant(fleet.hosts) as waiting:
+        old = {h.name: unit(h) for h in fleet.hosts}
+        marks = {h.name: now(h) for h in fleet.hosts}
+        for host in fleet.hosts:
+            host.run("systemctl", "kill", "--signal=SIGKILL", "kiwid")
+        for host in fleet.hosts:
+            service, pid = waiting[host.name]
+            after = wait_running(host, other_than=old[host.name]["MainPID"])
+            assert int(after["NRestarts"]) == int(old[host.name]["NRestarts"]) + 1
+            assert not frozen(host, service), f"{service} on {host.name} is still frozen"
+            ticks = cpu_ticks(host, pid)
+            wait_for(
+                lambda host=host, pid=pid, ticks=ticks: cpu_ticks(host, pid) > ticks,
+                10,
+                f"the thawed tenant on {host.name} to run",
+            )
+            log = journal(host, marks[host.name])
+            assert "status=9/KILL" in log, log
+            # `kiwid recover` from ExecStopPost= (the new kiwid finds nothing to do).
+            assert f"[INFO] Ungated systemd:{service}\n" in log, log
+            assert "Nothing is gated (1 tenant(s) ungated)" in log, log
+            assert "left gated by a previous kiwid" not in log, log
+
+
+# ---------------------------------------------------------------- 5. upgrade, uninstall
+
+
+def test_rolling_upgrade_restarts_one_host_at_a_time(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet, tmp_path: Path
+) -> None:
+    new = next_version(project_version())
+    house = tmp_path / "wheelhouse"
+    shutil.copytree(ansible.wheelhouse, house)
+    build_wheels(source_copy(tmp_path / "src", version=new), house, deps=False)
+    ansible.vars["kiwid_wheelhouse"] = str(house)
+    ansible.vars["kiwid_systemd_overrides"] = {}
+    before = {h.name: unit(h) for h in fleet.hosts}
+
+    run = ansible.play("upgrade.yml", extra={"kiwid_serial": 1})
+    assert_ok(run)
+    assert run.output.count("TASK [Gathering Facts]") == len(fleet.hosts), "one batch per host"
+    for host in fleet.hosts:
+        u = unit(host)
+        assert u["MainPID"] != before[host.name]["MainPID"]
+        assert u["WatchdogUSec"] == "30s", "the drop-in is gone"
+        st = status(host)
+        assert st["version"] == new and st["gpus"][0]["tq"] == 25.0, st
+    again = ansible.play("upgrade.yml", extra={"kiwid_serial": 1})
+    assert_ok(again)
+    assert all(again.changed(h.name) == 0 for h in fleet.hosts), again.explain()
+
+
+def test_uninstall_thaws_tenants_and_removes_everything(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet
+) -> None:
+    with frozen_tenant(fleet.hosts) as waiting:
+        run = ansible.play("uninstall.yml")
+        assert_ok(run)
+        for host in fleet.hosts:
+            service, _pid = waiting[host.name]
+            assert not frozen(host, service), f"{service} on {host.name} is still frozen"
+            assert unit(host)["LoadState"] == "not-found"
+            left = host.sh(
+                "for p in /opt/kiwi /etc/kiwi.toml /run/kiwi /var/cache/kiwi"
+                " /etc/systemd/system/kiwid.service; do [ -e $p ] && echo $p; done; true"
+            )
+            assert left == "", left
+            assert host.run("getent", "group", "kiwi", check=False).returncode == 2
+    again = ansible.play("uninstall.yml")
+    assert_ok(again)
+    assert all(again.changed(h.name) == 0 for h in fleet.hosts), again.explain()
+    print(json.dumps({h.name: h.layout for h in fleet.hosts}))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kiwid.config.schema import (
+    ADMISSIONS,
     BACKENDS,
     GATES,
     LOG_LEVELS,
@@ -26,7 +27,9 @@ from kiwid.config.schema import (
     GpuOverride,
     GpuOverrides,
     GpuSettings,
+    KubernetesSettings,
     MemorySettings,
+    MetricsSettings,
     SchedulerSettings,
     Settings,
 )
@@ -132,7 +135,36 @@ _DAEMON_RULES = {
     "log_level": _choice("log_level", LOG_LEVELS),
 }
 _MEMORY_RULES = {"reserve_mib": _within("reserve_mib", int, "MiB", 0)}
-_SECTIONS = ("scheduler", "gpu", "control", "daemon", "memory")
+_METRICS_RULES = {
+    "listen": _Rule("listen", str, '"host:port" or "" (off)', lambda v: v == "" or _host_port(v)),
+}
+_KUBERNETES_RULES = {
+    "resource": _Rule(
+        "resource",
+        str,
+        'an extended resource name like "kiwi.io/gpu"',
+        lambda v: bool(
+            re.fullmatch(
+                r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", v
+            )
+        ),
+    ),
+    "replicas": _within("replicas", int, "slots", 1, 64),
+    "admission": _choice("admission", ADMISSIONS),
+    "cdi_dir": _abs_path("cdi_dir"),
+    "device_plugin_dir": _abs_path("device_plugin_dir"),
+}
+_SECTIONS = ("scheduler", "gpu", "control", "daemon", "memory", "metrics", "kubernetes")
+
+
+def _host_port(value: str) -> bool:
+    """Whether ``value`` is ``host:port`` (IPv6 in brackets) with a port 0-65535."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        return False
+    if host.startswith("["):
+        return host.endswith("]") and len(host) > 2
+    return ":" not in host
 
 
 def _has_kind(value: object, kind: type) -> bool:
@@ -254,6 +286,8 @@ def _build(reader: _Reader, doc: Mapping[str, Any]) -> Settings:
         ControlSettings(**reader.section(doc, "control", _CONTROL_RULES)),
         DaemonSettings(**reader.section(doc, "daemon", _DAEMON_RULES)),
         MemorySettings(**reader.section(doc, "memory", _MEMORY_RULES)),
+        MetricsSettings(**reader.section(doc, "metrics", _METRICS_RULES)),
+        KubernetesSettings(**reader.section(doc, "kubernetes", _KUBERNETES_RULES)),
     )
 
 

@@ -221,6 +221,42 @@ class MemorySettings:
 
 
 @dataclass(frozen=True)
+class MetricsSettings:
+    """Prometheus metrics (``[metrics]``)."""
+
+    listen: str = ""
+    """``"host:port"`` to serve ``/metrics`` on (e.g. ``"127.0.0.1:9417"``), or
+    ``""`` for no metrics endpoint. Default ``""``: off, nothing listens unasked."""
+
+
+ADMISSIONS = ("hold", "none")
+"""Admission policies, see :attr:`KubernetesSettings.admission`."""
+
+
+@dataclass(frozen=True)
+class KubernetesSettings:
+    """Kubernetes nodes: device plugin, CDI and container hooks (``[kubernetes]``)."""
+
+    resource: str = "kiwi.io/gpu"
+    """Extended resource name the device plugin advertises. Default ``"kiwi.io/gpu"``."""
+
+    replicas: int = 4
+    """Shared slots per managed GPU: how many pods may be given one GPU. Default 4.
+    Range 1 to 64."""
+
+    admission: str = "hold"
+    """``"hold"``: a container registered while its GPU is busy starts frozen and
+    waits for its turn (never killed by an out-of-memory error); ``"none"``: it
+    starts at once and is gated at its first burst. Default ``"hold"``."""
+
+    cdi_dir: str = "/var/run/cdi"
+    """Directory kiwid writes its CDI spec into (absolute path)."""
+
+    device_plugin_dir: str = "/var/lib/kubelet/device-plugins"
+    """The kubelet's device-plugin directory (absolute path; kubelet.sock lives there)."""
+
+
+@dataclass(frozen=True)
 class Settings:
     """The whole kiwid configuration; ``Settings()`` is the default."""
 
@@ -238,3 +274,9 @@ class Settings:
 
     memory: MemorySettings = field(default_factory=MemorySettings)
     """``[memory]``: memory reserve for mode ``"auto"``."""
+
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    """``[metrics]``: the Prometheus endpoint (off by default)."""
+
+    kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
+    """``[kubernetes]``: device plugin, CDI spec and container admission."""

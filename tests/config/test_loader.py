@@ -40,6 +40,17 @@ KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
     ("daemon", "shutdown_timeout"): ("daemon", "shutdown_timeout", "2.5", 2.5),
     ("daemon", "log_level"): ("daemon", "log_level", '"debug"', "debug"),
     ("memory", "reserve_mib"): ("memory", "reserve_mib", "0", 0),
+    ("metrics", "listen"): ("metrics", "listen", '"127.0.0.1:9417"', "127.0.0.1:9417"),
+    ("kubernetes", "resource"): ("kubernetes", "resource", '"example.com/gpu"', "example.com/gpu"),
+    ("kubernetes", "replicas"): ("kubernetes", "replicas", "8", 8),
+    ("kubernetes", "admission"): ("kubernetes", "admission", '"none"', "none"),
+    ("kubernetes", "cdi_dir"): ("kubernetes", "cdi_dir", '"/etc/cdi"', "/etc/cdi"),
+    ("kubernetes", "device_plugin_dir"): (
+        "kubernetes",
+        "device_plugin_dir",
+        '"/tmp/dp"',
+        "/tmp/dp",
+    ),
 }
 KEYS_GROUPS = [f.name for f in dataclasses.fields(Settings)]
 
@@ -142,7 +153,8 @@ def test_unknown_keys() -> None:
         "(known keys: tq, idle_release, mode, handover_allowance, gpu)"
     ]
     assert errors("[sched]\n") == [
-        f"{SRC}: unknown key sched (known keys: scheduler, gpu, control, daemon, memory)"
+        f"{SRC}: unknown key sched (known keys: scheduler, gpu, control, daemon, memory, "
+        "metrics, kubernetes)"
     ]
     assert errors('[scheduler.gpu."0"]\nmemory = 1\n') == [
         f'{SRC}: unknown key scheduler.gpu."0".memory (known keys: tq, idle_release, mode)'
@@ -312,3 +324,23 @@ def test_check_config_default_path_and_usage(
     err = capsys.readouterr().err
     assert err.startswith("usage: kiwid check-config [PATH]\n")
     assert err.endswith("error: unexpected arguments: a.toml b.toml\n")
+
+
+@pytest.mark.parametrize(
+    ("listen", "ok"),
+    [
+        ("127.0.0.1:9417", True),
+        ("[::1]:0", True),
+        ("", True),
+        ("localhost", False),
+        ("1.2.3.4:70000", False),
+        ("::1:80", False),
+        (":80", False),
+    ],
+)
+def test_metrics_listen_is_host_and_port(listen: str, ok: bool) -> None:
+    text = f'metrics.listen = "{listen}"'
+    if ok:
+        assert parse_config(text).settings.metrics.listen == listen
+    else:
+        assert "metrics.listen" in errors(text)[0]

@@ -31,7 +31,9 @@ ERROR_CODES = frozenset(
     | {"unavailable", "internal"}
 )
 READ_COMMANDS = frozenset({"ping", "status", "tenants"})
-ADMIN_COMMANDS = frozenset({"set-tq", "set-mode", "sim-attach", "sim-detach"})
+ADMIN_COMMANDS = frozenset(
+    {"set-tq", "set-mode", "sim-attach", "sim-detach", "register", "unregister"}
+)
 COMMANDS = READ_COMMANDS | ADMIN_COMMANDS
 
 _ENVELOPE = ("v", "id", "cmd", "args")
@@ -45,6 +47,19 @@ _ARGS: dict[str, dict[str, str]] = {
     "sim-attach": {"pid": "integer", "gpu": "integer", "memory_bytes": "integer"}
     | {"activity": "string"},
     "sim-detach": {"pid": "integer"},
+    # From kiwi-hook (OCI createRuntime / poststop): a container and its names.
+    "register": {
+        "id": "string",
+        "cgroup_v2": "string-or-null?",
+        "cgroup_v1_freezer": "string-or-null?",
+        "pid": "integer-or-null?",
+        "name": "string-or-null?",
+        "pod": "string-or-null?",
+        "namespace": "string-or-null?",
+        "gpus": "strings?",
+        "hold": "boolean?",
+    },
+    "unregister": {"id": "string"},
 }
 _CLIENT_MAX_RESPONSE = 16 * 1024 * 1024  # bytes; a status of many GPUs stays far below
 
@@ -177,6 +192,16 @@ def _check_envelope(req: Any) -> tuple[str, dict[str, Any]]:
     return cmd, args
 
 
+def _kind_ok(kind: str, value: Any) -> bool:
+    if kind.endswith("-or-null"):
+        return value is None or _kind_ok(kind.removesuffix("-or-null"), value)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "strings":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return not isinstance(value, bool) and isinstance(value, _KINDS[kind])
+
+
 def _check_args(cmd: str, args: dict[str, Any]) -> None:
     spec = _ARGS[cmd]
     extra = sorted(set(args) - set(spec))
@@ -186,8 +211,9 @@ def _check_args(cmd: str, args: dict[str, Any]) -> None:
         kind, value = spec_kind.rstrip("?"), args.get(name)
         if name not in args and not spec_kind.endswith("?"):
             raise ControlError("bad-request", f"{cmd} needs argument {name!r} ({kind})")
-        if name in args and (isinstance(value, bool) or not isinstance(value, _KINDS[kind])):
-            raise ControlError("bad-request", f"{cmd} argument {name!r} must be a {kind}")
+        if name in args and not _kind_ok(kind, value):
+            what = kind.replace("-or-null", " or null").replace("strings", "list of strings")
+            raise ControlError("bad-request", f"{cmd} argument {name!r} must be a {what}")
 
 
 class ControlServer:

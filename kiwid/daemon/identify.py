@@ -51,3 +51,48 @@ def identify(pid: int) -> Identity | None:
         container_id=tenant.container_id,
         pod=tenant.pod_uid,
     )
+
+
+def identity_of_container(
+    container_id: str,
+    cgroup_v2: str | None,
+    cgroup_v1_freezer: str | None,
+    pid: int | None,
+    *,
+    name: str | None = None,
+    pod: str | None = None,
+    namespace: str | None = None,
+) -> Identity:
+    """The identity of a container that kiwi-hook announced.
+
+    Its key is the one its processes will have when they show up on a GPU (it is
+    derived from the same cgroup path), so the two meet in one tenant.
+
+    Raises:
+        ValueError: no cgroup is known, or it is shared (the root, a login session).
+    """
+    if cgroup_v2 is None and cgroup_v1_freezer is None and pid is not None:
+        try:
+            paths = procs.read_proc_cgroup(pid)
+        except procs.ProcsError as err:
+            raise ValueError(f"cannot read the cgroups of pid {pid}: {err}") from err
+        cgroup_v2, cgroup_v1_freezer = paths.v2, paths.v1_freezer
+    if cgroup_v2 is None and cgroup_v1_freezer is None:
+        raise ValueError("no cgroup path and no pid: cannot tell which cgroup to gate")
+    who = procs.identify(procs.ProcCgroups(cgroup_v2, cgroup_v1_freezer, {}))
+    if not who.dedicated:
+        raise ValueError(
+            f"cgroup {cgroup_v2 or cgroup_v1_freezer} is shared with other processes; "
+            "refusing to gate it"
+        )
+    return Identity(
+        key=f"{who.kind}:{who.name}",
+        kind=who.kind,
+        name=name or who.name,
+        cgroup_v2=cgroup_v2,
+        cgroup_v1_freezer=cgroup_v1_freezer,
+        dedicated=True,
+        container_id=container_id,
+        pod=pod,
+        namespace=namespace,
+    )

@@ -24,6 +24,7 @@ from typing import Any
 from kiwid import __version__
 from kiwid.adapters.control import ControlError, ControlServer, EncodedResult, Peer, SocketInUse
 from kiwid.adapters.gpu import DeviceInfo, GpuBackend, GpuBackendError, GpuLost
+from kiwid.adapters.metrics import MetricsError, MetricsServer
 from kiwid.adapters.notify import Notifier
 from kiwid.adapters.sim import SimBackend
 from kiwid.adapters.watch import ConfigWatcher, WatchError
@@ -34,10 +35,11 @@ from kiwid.core.scheduler import Scheduler
 from kiwid.daemon import policy
 from kiwid.daemon.engine import Engine
 from kiwid.daemon.gates import GateError, TenantGate, ungate_record
+from kiwid.daemon.identify import identity_of_container
 from kiwid.daemon.logs import seconds, set_level
 from kiwid.daemon.state import GatedRecord, StateError, StateFile
 from kiwid.daemon.status import build_status, summary_line, tenant_json
-from kiwid.daemon.tenants import GpuSample, Identity, TenantTracker
+from kiwid.daemon.tenants import GpuSample, Identity, Registration, TenantTracker
 
 log = logging.getLogger("kiwid")
 
@@ -56,6 +58,7 @@ RESTART_ONLY = (
     ("control.socket", lambda s: s.control.socket),
     ("control.admin_group", lambda s: s.control.admin_group),
     ("daemon.state_dir", lambda s: s.daemon.state_dir),
+    ("metrics.listen", lambda s: s.metrics.listen),
 )
 
 
@@ -97,6 +100,7 @@ class Daemon:
         self._reload_reasons: list[str] = []
         self._server: ControlServer | None = None
         self._watcher: ConfigWatcher | None = None
+        self._metrics: MetricsServer | None = None
         self._last_status_line = ""
         self._status_cache: tuple[float, int, dict[str, Any]] | None = None
         self._status_bytes: EncodedResult | None = None
@@ -124,6 +128,14 @@ class Daemon:
         """Queue a reload (from a signal, the file watcher or a test)."""
         self._reload_reasons.append(reason)
         self._poke()
+
+    def _status_from_thread(self, loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
+        """The status for a metrics scrape (HTTP thread): built on the loop, fresh."""
+
+        async def build() -> dict[str, Any]:
+            return self.status()
+
+        return asyncio.run_coroutine_threadsafe(build(), loop).result(timeout=5.0)
 
     def _from_thread(self, loop: asyncio.AbstractEventLoop, reason: str) -> None:
         loop.call_soon_threadsafe(self.request_reload, reason)
@@ -195,6 +207,16 @@ class Daemon:
         except (SocketInUse, OSError) as err:
             self._server = None
             raise StartupError(f"control socket {self.settings.control.socket}: {err}") from err
+        if self.settings.metrics.listen:
+            try:
+                self._metrics = MetricsServer(
+                    self.settings.metrics.listen, lambda: self._status_from_thread(loop)
+                )
+                self._metrics.start()
+            except MetricsError as err:
+                self._metrics = None
+                raise StartupError(f"metrics.listen: {err}") from err
+            log.info("Metrics on http://%s/metrics", self.settings.metrics.listen)
         self._watcher = ConfigWatcher(
             self.config_path,
             lambda: self._from_thread(loop, "file changed"),
@@ -312,6 +334,8 @@ class Daemon:
             self._watcher.stop()
         if self._server is not None:
             await self._server.close()
+        if self._metrics is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._metrics.stop)
         timeout = 0.5 if self._force_exit else self.settings.daemon.shutdown_timeout
         try:
             failed = await asyncio.wait_for(self.engine.ungate_all(), timeout)
@@ -500,6 +524,10 @@ class Daemon:
             return await self._set_mode(args, peer)
         if cmd in ("sim-attach", "sim-detach"):
             return self._sim(cmd, args)
+        if cmd == "register":
+            return await self._register(args)
+        if cmd == "unregister":
+            return await self._unregister(args)
         raise ControlError("unknown-command", f"unknown command {cmd!r}")
 
     def _gpu_of(self, ref: object) -> str:
@@ -565,6 +593,55 @@ class Daemon:
             peer.uid,
         )
         return {"mode": "/".join(modes) or mode, "gpus": sorted(policies)}
+
+    async def _register(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A container announced by kiwi-hook (OCI createRuntime), with its names.
+
+        With ``kubernetes.admission = "hold"`` and ``hold`` asked for, it is
+        queued as if in a burst: if its GPU is busy it is frozen now, before its
+        first instruction, and starts at its turn (never killed by an OOM).
+        """
+        try:
+            ident = identity_of_container(
+                args["id"],
+                args.get("cgroup_v2"),
+                args.get("cgroup_v1_freezer"),
+                args.get("pid"),
+                name=args.get("name"),
+                pod=args.get("pod"),
+                namespace=args.get("namespace"),
+            )
+        except ValueError as err:
+            raise ControlError("invalid-value", f"container {args['id']}: {err}") from None
+        wanted = args.get("gpus") or [str(d.index) for d in self.devices]
+        gpus = frozenset(self._gpu_of(g) for g in wanted)
+        pid = args.get("pid")
+        self.engine.tracker.register(
+            Registration(args["id"], ident, gpus, frozenset({pid}) if pid else frozenset())
+        )
+        await self.poll()
+        hold = bool(args.get("hold", True)) and self.settings.kubernetes.admission == "hold"
+        if hold:
+            await self.engine.apply([ActivitySeen(ident.key)])
+        held = self.engine.scheduler.tenant_state(ident.key) is TenantState.WAITING
+        where = f" (pod {ident.namespace or '-'}/{ident.pod})" if ident.pod else ""
+        log.info(
+            "Registered container %s%s as %s on GPU %s%s",
+            ident.name,
+            where,
+            ident.key,
+            ",".join(sorted(gpus)),
+            ": held until its turn" if held else "",
+        )
+        return {"tenant": ident.key, "held": held}
+
+    async def _unregister(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A container is gone (OCI poststop): forget it, ungating what remains."""
+        key = self.engine.tracker.unregister(args["id"])
+        if key is not None:
+            await self.poll()
+            log.info("Unregistered container %s (%s)", args["id"], key)
+        return {"removed": key is not None}
 
     def _sim(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(self.backend, SimBackend):

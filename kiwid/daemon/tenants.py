@@ -56,6 +56,16 @@ class GpuSample:
     active_pids: frozenset[int]
 
 
+@dataclass
+class Registration:
+    """A container announced by kiwi-hook before (or without) GPU processes."""
+
+    container_id: str
+    identity: Identity
+    gpus: frozenset[str]
+    pids: frozenset[int]
+
+
 class TenantTracker:
     """Keeps the tenant table and turns each poll into scheduler events."""
 
@@ -65,6 +75,9 @@ class TenantTracker:
         self._by_pid: dict[int, Identity] = {}
         self.tenants: dict[str, TenantInfo] = {}
         self._last_key: object = None
+        self.registered: dict[str, Registration] = {}
+        """Containers that kiwi-hook announced, by tenant key (names, cgroup, GPUs)."""
+        self._registry_version = 0
         self.gone: dict[str, TenantInfo] = {}
         """Tenants detached by the last poll (the engine takes them for its ledger)."""
 
@@ -80,7 +93,11 @@ class TenantTracker:
         lost_set = frozenset(lost_gpus)
         # An idle node's polls repeat themselves: nothing to diff, nothing to say.
         # (Activity is news every time: it keeps a burst alive.)
-        key = (tuple((s.gpu, tuple(s.processes)) for s in samples), lost_set)
+        key = (
+            tuple((s.gpu, tuple(s.processes)) for s in samples),
+            lost_set,
+            self._registry_version,
+        )
         if key == self._last_key and not any(s.active_pids for s in samples):
             return []
         self._last_key = key
@@ -103,6 +120,10 @@ class TenantTracker:
                 memory[slot] = None if used is None or known is None else known + used
                 if proc.pid in sample.active_pids:
                     active.add(ident.key)
+        for tid, reg in self.registered.items():  # containers announced by kiwi-hook
+            if tid not in gpus:
+                gpus[tid] = set(reg.gpus)
+                pids[tid] = set(reg.pids)
         lost = lost_set
         for tid, info in self.tenants.items():  # keep tenants of unreadable GPUs
             kept = info.gpus & lost
@@ -113,6 +134,20 @@ class TenantTracker:
         for pid in set(self._by_pid) - seen_pids:
             del self._by_pid[pid]
         return self._diff(pids, gpus, memory, active, now)
+
+    def register(self, reg: Registration) -> None:
+        """Announce a container (its names win over what /proc tells)."""
+        self.registered[reg.identity.key] = reg
+        self._registry_version += 1
+
+    def unregister(self, container_id: str) -> str | None:
+        """Forget an announced container; return its tenant key, if it was known."""
+        for key, reg in list(self.registered.items()):
+            if reg.container_id == container_id:
+                del self.registered[key]
+                self._registry_version += 1
+                return key
+        return None
 
     def _lookup(self, pid: int) -> Identity | None:
         ident = self._by_pid.get(pid)
@@ -137,10 +172,13 @@ class TenantTracker:
         for key in sorted(gpus):
             gpu_set = frozenset(gpus[key])
             info = self.tenants.get(key)
+            reg = self.registered.get(key)
             if info is None:
-                ident = self._by_pid[next(iter(pids[key]))]
+                ident = reg.identity if reg else self._by_pid[next(iter(pids[key]))]
                 info = TenantInfo(ident, first_seen=now)
                 self.tenants[key] = info
+            elif reg is not None:
+                info.identity = reg.identity
             info.pids = set(pids[key])
             if info.gpus != gpu_set:
                 info.gpus = gpu_set

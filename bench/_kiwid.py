@@ -87,6 +87,7 @@ class Kiwid:
         tq: float = 30,
         poll_interval: float = 0.5,
         profile: Path | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kiwi-bench-"))
         self.sock = self.dir / "kiwid.sock"
@@ -98,6 +99,7 @@ class Kiwid:
             f"[gpu.sim]\ndevices = {devices}\nmemory_gib = 80\n"
             f'[control]\nsocket = "{self.sock}"\nadmin_group = "{_own_group()}"\n'
             f'[daemon]\nstate_dir = "{self.dir / "state"}"\n'
+            + (f'[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n' if metrics_port else "")
         )
         self._profile = profile
         self.proc: subprocess.Popen[bytes] | None = None

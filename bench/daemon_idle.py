@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from _kiwid import (
@@ -89,6 +92,11 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=0, help="second phase: N busy tenants")
     parser.add_argument("--pings", type=int, default=40, help="pings after each window")
     parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="enable kiwid's Prometheus endpoint and scrape it every 5 s while measuring",
+    )
+    parser.add_argument(
         "--profile", type=Path, help="run kiwid under cProfile, write its profile here"
     )
     args = parser.parse_args()
@@ -96,7 +104,12 @@ def main() -> None:
     count = args.gpus * args.per_gpu
     raise_nofile(count + 1024)
     print(machine())
-    daemon = Kiwid(args.gpus, poll_interval=args.poll, profile=args.profile)
+    port = None
+    if args.metrics:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    daemon = Kiwid(args.gpus, poll_interval=args.poll, profile=args.profile, metrics_port=port)
     with Tenants() as tenants, daemon as kiwid:
         start = time.monotonic()
         slots: list[tuple[int, int]] = []  # (pid, gpu), tenant i on GPU i % gpus
@@ -112,7 +125,17 @@ def main() -> None:
             f"tenants (sleep 3600), 1 GiB each, poll every {args.poll:g} s, TQ 30 s; "
             f"attached in {attached:.1f} s, all listed {seen:.1f} s later"
         )
-        measure(kiwid, args.seconds, f"idle, {count} tenants")
+        scraper = Scraper(port) if port else None
+        if scraper:
+            scraper.start()
+        measure(
+            kiwid,
+            args.seconds,
+            f"idle, {count} tenants" + (", metrics scraped every 5 s" if port else ""),
+        )
+        if scraper:
+            scraper.stop()
+            print(f"  metrics: {scraper.scrapes} scrapes, {scraper.series} series in the last one")
         ping_latency(kiwid, args.pings, f"idle, {count} tenants")
         if args.busy:
             for i in range(min(args.busy, count)):
@@ -133,6 +156,29 @@ def main() -> None:
                 )
             measure(kiwid, args.seconds, label)
             ping_latency(kiwid, args.pings, label)
+
+
+class Scraper(threading.Thread):
+    """Scrapes kiwid's /metrics every 5 s, as Prometheus would."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.halt = threading.Event()
+        self.scrapes = 0
+        self.series = 0
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            with urllib.request.urlopen(self.url, timeout=10) as resp:
+                body = resp.read().decode()
+            self.scrapes += 1
+            self.series = sum(1 for line in body.splitlines() if line and not line.startswith("#"))
+            self.halt.wait(5.0)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(15)
 
 
 if __name__ == "__main__":

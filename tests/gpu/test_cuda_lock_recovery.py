@@ -1,0 +1,122 @@
+"""On a GPU machine: a CUDA lock outlives the process that took it; recovery undoes it.
+
+DESIGN.md: after the locker was SIGKILLed the target stayed locked until another
+root process unlocked it. kiwid records every lock before taking it, so
+``kiwid recover`` (systemd ExecStopPost=) unlocks what a killed kiwid left.
+Skipped where there is no driver with the checkpoint API, or no CuPy/PyTorch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kiwid.adapters import cudalock
+
+pytestmark = pytest.mark.gpu
+
+WORKER = """
+import sys, time
+try:
+    import torch
+    x = torch.ones(1 << 20, device="cuda")
+    step = lambda: (x.mul_(1.0000001), torch.cuda.synchronize())
+except ImportError:
+    import cupy
+    x = cupy.ones(1 << 20)
+    step = lambda: (x.__imul__(1.0000001), cupy.cuda.Device().synchronize())
+print("ready", flush=True)
+while True:
+    step()
+    print("tick", time.monotonic(), flush=True)
+    time.sleep(0.01)
+"""
+
+LOCKER = """
+import sys
+from kiwid.adapters.cudalock import CudaLock
+CudaLock().lock(int(sys.argv[1]), 5000)
+print("locked", flush=True)
+sys.stdin.read()  # wait to be killed
+"""
+
+
+@pytest.fixture
+def cuda_worker():
+    if not cudalock.probe().available:
+        pytest.skip(f"no CUDA process lock here: {cudalock.probe().reason}")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True, bufsize=1
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        if first.strip() != "ready":
+            pytest.skip("neither torch nor cupy could run a CUDA worker")
+        yield proc
+    finally:
+        if cudalock.probe().available:
+            lock = cudalock.CudaLock()
+            try:
+                if lock.state(proc.pid) is cudalock.ProcessState.LOCKED:
+                    lock.unlock(proc.pid)
+            except cudalock.CudaLockError:
+                pass
+        proc.kill()
+        proc.wait()
+
+
+def test_recover_unlocks_what_a_killed_locker_left(cuda_worker, tmp_path: Path) -> None:
+    pid = cuda_worker.pid
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    locker = subprocess.Popen(
+        [sys.executable, "-c", LOCKER, str(pid)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert locker.stdout is not None
+    assert locker.stdout.readline().strip() == "locked"
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    (state_dir / "state.json").write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "gated": {
+                    f"pid:{pid}": {
+                        "method": "cuda-lock",
+                        "cgroup_v2": None,
+                        "cgroup_v1_freezer": None,
+                        "pids": [pid],
+                    }
+                },
+            }
+        )
+    )
+    locker.send_signal(signal.SIGKILL)
+    locker.wait()
+    lock = cudalock.CudaLock()
+    assert lock.state(pid) is cudalock.ProcessState.LOCKED, "the lock outlives its taker"
+    out = subprocess.run(
+        [sys.executable, "-m", "kiwid", "recover", "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert lock.state(pid) is cudalock.ProcessState.RUNNING
+    # And the worker makes GPU progress again.
+    assert cuda_worker.stdout is not None
+    deadline = time.monotonic() + 10
+    while not cuda_worker.stdout.readline().startswith("tick"):
+        assert time.monotonic() < deadline

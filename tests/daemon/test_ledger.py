@@ -19,8 +19,12 @@ def test_ledger_adds_up_to_wall_time_and_counts_the_rotation(start_kiwid, tenant
         seen_at[t.key] = time.monotonic()
 
     def both_preempted() -> bool:
-        ledgers = {t["id"]: t["ledger"] for t in k.status()["gpus"][0]["tenants"]}
-        return all(ledgers[t.key]["preempted"] >= 2 for t in (a, b))
+        gpu = k.status()["gpus"][0]
+        ledgers = {t["id"]: t["ledger"] for t in gpu["tenants"]}
+        # A hand-over is timed once its freeze and thaw are done: a moment after the
+        # scheduler counted the preemption.
+        done = gpu["handover_seconds"]["count"] >= 4
+        return done and all(ledgers[t.key]["preempted"] >= 2 for t in (a, b))
 
     wait_for(both_preempted, 15, "two full rotations")
     before = time.monotonic()

@@ -92,6 +92,14 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=0, help="second phase: N busy tenants")
     parser.add_argument("--pings", type=int, default=40, help="pings after each window")
     parser.add_argument(
+        "--activity",
+        choices=("cpu", "idle"),
+        default="cpu",
+        help='sim activity of the idle tenants: "cpu" (the sim reads each one\'s CPU time '
+        'every poll) or "idle" (no samples, as NVML has none for an idle process: '
+        "what is left is kiwid's own cost)",
+    )
+    parser.add_argument(
         "--metrics",
         action="store_true",
         help="enable kiwid's Prometheus endpoint and scrape it every 5 s while measuring",
@@ -116,13 +124,15 @@ def main() -> None:
         for i in range(count):
             pid = tenants.spawn()
             slots.append((pid, i % args.gpus))
-            args_ = {"pid": pid, "gpu": i % args.gpus, "memory_bytes": GIB, "activity": "cpu"}
+            args_ = {"pid": pid, "gpu": i % args.gpus, "memory_bytes": GIB}
+            args_["activity"] = args.activity
             kiwid.request("sim-attach", args_)
         attached = time.monotonic() - start
         seen = wait_for(kiwid, count, 0, 120.0)
         print(
             f"kiwid: {args.gpus} simulated GPUs x {args.per_gpu} tenants = {count} idle "
-            f"tenants (sleep 3600), 1 GiB each, poll every {args.poll:g} s, TQ 30 s; "
+            f"tenants (sleep 3600, sim activity {args.activity!r}), 1 GiB each, "
+            f"poll every {args.poll:g} s, TQ 30 s; "
             f"attached in {attached:.1f} s, all listed {seen:.1f} s later"
         )
         scraper = Scraper(port) if port else None

@@ -276,6 +276,8 @@ class SimBackend:
             for (pid, i), entry in list(self._entries.items()):
                 if i != index:
                     continue
+                if entry.activity == "idle":
+                    continue
                 pending, entry.pending = entry.pending, None
                 if pending is not None and time.monotonic() - pending[0] < _PENDING_FRESH_S:
                     stat: tuple[int, int] | None = pending[1]
@@ -283,8 +285,6 @@ class SimBackend:
                     stat = _entry_stat(pid, entry)
                 if stat is None or stat[1] != entry.start_ticks:  # exited, or PID reused
                     self._drop((pid, i))
-                    continue
-                if entry.activity == "idle":
                     continue
                 if entry.activity == "active":
                     if not _frozen(pid):
@@ -371,6 +371,8 @@ class SimBackend:
         for key, entry in list(self._entries.items()):
             if key[1] != index:
                 continue
+            if entry.activity != "cpu" and entry.fd is not None:
+                continue  # its pidfd says when it exits; no CPU time needed
             stat = _entry_stat(key[0], entry)
             if stat is None or stat[1] != entry.start_ticks:
                 self._drop(key)

@@ -151,7 +151,12 @@ _KUBERNETES_RULES = {
     ),
     "replicas": _within("replicas", int, "slots", 1, 64),
     "admission": _choice("admission", ADMISSIONS),
-    "cdi_dir": _abs_path("cdi_dir"),
+    "cdi_dir": _Rule(
+        "cdi_dir",
+        str,
+        'an absolute path, or "" (no CDI spec)',
+        lambda v: v == "" or v.startswith("/"),
+    ),
     "device_plugin_dir": _abs_path("device_plugin_dir"),
 }
 _SECTIONS = ("scheduler", "gpu", "control", "daemon", "memory", "metrics", "kubernetes")

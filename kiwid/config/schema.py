@@ -250,7 +250,7 @@ class KubernetesSettings:
     starts at once and is gated at its first burst. Default ``"hold"``."""
 
     cdi_dir: str = "/var/run/cdi"
-    """Directory kiwid writes its CDI spec into (absolute path)."""
+    """Directory kiwid writes its CDI spec into (absolute path), or ``""`` for none."""
 
     device_plugin_dir: str = "/var/lib/kubelet/device-plugins"
     """The kubelet's device-plugin directory (absolute path; kubelet.sock lives there)."""

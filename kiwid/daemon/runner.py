@@ -15,13 +15,16 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kiwid import __version__
+from kiwid.adapters import cdi
 from kiwid.adapters.control import ControlError, ControlServer, EncodedResult, Peer, SocketInUse
 from kiwid.adapters.gpu import DeviceInfo, GpuBackend, GpuBackendError, GpuLost
 from kiwid.adapters.metrics import MetricsError, MetricsServer
@@ -59,6 +62,7 @@ RESTART_ONLY = (
     ("control.admin_group", lambda s: s.control.admin_group),
     ("daemon.state_dir", lambda s: s.daemon.state_dir),
     ("metrics.listen", lambda s: s.metrics.listen),
+    ("kubernetes.cdi_dir", lambda s: s.kubernetes.cdi_dir),
 )
 
 
@@ -107,6 +111,7 @@ class Daemon:
         self._reloads = {"ok": 0, "failed": 0}
         self._status_line_generation = -1
         self._adopt: dict[str, GatedRecord] = {}
+        self._hold_tasks: set[asyncio.Task[None]] = set()
         self._started = clock()
         for warning in loaded.warnings:
             log.warning("%s: %s", config_path, warning)
@@ -195,6 +200,7 @@ class Daemon:
             raise StartupError(f"cannot list GPUs: {err}") from err
         self._recover_previous()
         await self.engine.apply([GpusConfigured(self.policies())])
+        self._write_cdi_spec()
         admin_gid = _group_id(self.settings.control.admin_group)
         self._server = ControlServer(
             self.settings.control.socket,
@@ -226,6 +232,43 @@ class Daemon:
         except WatchError as err:
             self._watcher = None
             log.warning("Not watching %s (%s): use systemctl reload kiwid", self.config_path, err)
+
+    def _write_cdi_spec(self) -> None:
+        """Write (or refresh) the CDI spec: ``kiwi.io/gpu=<index|uuid>`` with kiwi-hook.
+
+        Off when ``kubernetes.cdi_dir`` is empty. A missing kiwi-hook or an
+        unwritable directory is logged, not fatal: containers then start ungated.
+        """
+        directory = self._running_settings.kubernetes.cdi_dir  # restart-only
+        if not directory:
+            return
+        hook = shutil.which("kiwi-hook") or str(Path(sys.executable).with_name("kiwi-hook"))
+        if not Path(hook).is_file():
+            log.warning("No kiwi-hook executable found: not writing the CDI spec in %s", directory)
+            return
+        nvidia = bool(cdi.find_devices(cdi.NVIDIA_KIND))
+        nodes = None
+        if self.backend.name == "nvml" and not nvidia:
+            nodes = cdi.find_device_nodes(d.index for d in self.devices)
+        try:
+            spec = cdi.build_spec(
+                self.devices,
+                hook,
+                nvidia,
+                self.settings.control.socket,
+                admission=self.settings.kubernetes.admission,
+                device_nodes=nodes,
+            )
+            if cdi.write_spec(spec, directory):
+                log.info(
+                    "CDI spec written: %s/%s (%d GPU(s)%s)",
+                    directory,
+                    cdi.DEFAULT_NAME,
+                    len(self.devices),
+                    ", beside NVIDIA's spec" if nvidia else "",
+                )
+        except (OSError, ValueError) as err:
+            log.warning("Cannot write the CDI spec in %s: %s", directory, err)
 
     def _recover_previous(self) -> None:
         """Read what a previous kiwid (crash, SIGKILL, restart) left gated.
@@ -419,6 +462,7 @@ class Daemon:
         after = self.policies()
         await self.engine.apply([GpusConfigured(after)])
         self._log_tq_changes(before, after)
+        self._write_cdi_spec()
         self._loaded_at = time.time()
         self._last_reload = {"ok": True, "at_unix": self._loaded_at, "error": None}
         self._reloads["ok"] += 1
@@ -621,9 +665,29 @@ class Daemon:
         )
         await self.poll()
         hold = bool(args.get("hold", True)) and self.settings.kubernetes.admission == "hold"
+        held = False
         if hold:
-            await self.engine.apply([ActivitySeen(ident.key)])
-        held = self.engine.scheduler.tenant_state(ident.key) is TenantState.WAITING
+            busy = any(
+                self.engine.scheduler.tenant_state(other)
+                in (TenantState.HOLDER, TenantState.WAITING, TenantState.CORUNNING)
+                for other, info in self.engine.tracker.tenants.items()
+                if other != ident.key and info.gpus & gpus
+            )
+            exe = _exe(pid) if pid else None
+            if exe is not None and _is_runtime(exe):
+                # Called from the createRuntime hook: freezing now would hold the
+                # runtime itself (runc waits for its init). Queue it the moment the
+                # container's own program has started instead.
+                held = busy
+                self._hold_tasks.add(
+                    asyncio.get_running_loop().create_task(
+                        self._hold_after_exec(ident.key, pid or 0, exe)
+                    )
+                )
+                self._hold_tasks = {t for t in self._hold_tasks if not t.done()}
+            else:
+                await self.engine.apply([ActivitySeen(ident.key)])
+                held = self.engine.scheduler.tenant_state(ident.key) is TenantState.WAITING
         where = f" (pod {ident.namespace or '-'}/{ident.pod})" if ident.pod else ""
         log.info(
             "Registered container %s%s as %s on GPU %s%s",
@@ -634,6 +698,23 @@ class Daemon:
             ": held until its turn" if held else "",
         )
         return {"tenant": ident.key, "held": held}
+
+    async def _hold_after_exec(self, key: str, pid: int, runtime_exe: str) -> None:
+        """Queue a registered container once its program replaced the runtime's init.
+
+        Bounded: after HOLD_EXEC_TIMEOUT_S it is queued anyway (a container that is
+        never started is not waited for forever).
+        """
+        deadline = self._clock() + HOLD_EXEC_TIMEOUT_S
+        while self._clock() < deadline and not self._should_exit:
+            exe = _exe(pid)
+            if exe is None or exe != runtime_exe:
+                break
+            await asyncio.sleep(0.005)
+        if key in self.engine.tracker.registered and _exe(pid) is not None:
+            await self.engine.apply([ActivitySeen(key)])
+            if self.engine.scheduler.tenant_state(key) is TenantState.WAITING:
+                log.info("Held %s from its first instruction until its turn", key)
 
     async def _unregister(self, args: dict[str, Any]) -> dict[str, Any]:
         """A container is gone (OCI poststop): forget it, ungating what remains."""
@@ -658,6 +739,27 @@ class Daemon:
             return {"detached": self.backend.detach(int(args["pid"]))}
         except (KeyError, TypeError, ValueError) as err:
             raise ControlError("invalid-value", str(err)) from None
+
+
+HOLD_EXEC_TIMEOUT_S = 30.0
+_RUNTIMES = ("runc", "crun", "youki", "runsc", "kata")
+
+
+def _exe(pid: int) -> str | None:
+    """The name of the program a process runs (``None``: gone or unreadable).
+
+    ``comm``, not the ``exe`` link: a runtime's init and the container's program
+    live in another mount namespace, where the link reads just ``/``.
+    """
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def _is_runtime(exe: str) -> bool:
+    """Whether ``exe`` (a ``comm``) is an OCI runtime's init, e.g. ``runc:[2:INIT]``."""
+    return any(runtime in exe for runtime in _RUNTIMES)
 
 
 def _group_id(name: str) -> int | None:

@@ -46,6 +46,8 @@ socket = "{socket}"
 [daemon]
 state_dir = "{state}"
 shutdown_timeout = 5
+[kubernetes]
+cdi_dir = "{cdi}"
 """
 
 
@@ -117,7 +119,7 @@ class Kiwid:
 
 def config_text(d: Path, **kw: Any) -> str:
     values = {"tq": 30, "idle_release": 5, "poll": 0.1, "devices": 1, **kw}
-    return BASE_CONFIG.format(socket=d / "kiwid.sock", state=d / "state", **values)
+    return BASE_CONFIG.format(socket=d / "kiwid.sock", state=d / "state", cdi=d / "cdi", **values)
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""protoc output for proto/deviceplugin/v1beta1/api.proto; see proto/generate.py."""

@@ -102,7 +102,10 @@ def main() -> None:
     parser.add_argument(
         "--metrics",
         action="store_true",
-        help="enable kiwid's Prometheus endpoint and scrape it every 5 s while measuring",
+        help="enable kiwid's Prometheus endpoint and scrape it while measuring",
+    )
+    parser.add_argument(
+        "--scrape-every", type=float, default=15.0, help="seconds between scrapes (default 15)"
     )
     parser.add_argument(
         "--profile", type=Path, help="run kiwid under cProfile, write its profile here"
@@ -135,13 +138,14 @@ def main() -> None:
             f"poll every {args.poll:g} s, TQ 30 s; "
             f"attached in {attached:.1f} s, all listed {seen:.1f} s later"
         )
-        scraper = Scraper(port) if port else None
+        scraper = Scraper(port, args.scrape_every) if port else None
         if scraper:
             scraper.start()
         measure(
             kiwid,
             args.seconds,
-            f"idle, {count} tenants" + (", metrics scraped every 5 s" if port else ""),
+            f"idle, {count} tenants"
+            + (f", metrics scraped every {args.scrape_every:g} s" if port else ""),
         )
         if scraper:
             scraper.stop()
@@ -169,11 +173,12 @@ def main() -> None:
 
 
 class Scraper(threading.Thread):
-    """Scrapes kiwid's /metrics every 5 s, as Prometheus would."""
+    """Scrapes kiwid's /metrics every ``every`` seconds, as Prometheus would."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, every: float) -> None:
         super().__init__(daemon=True)
         self.url = f"http://127.0.0.1:{port}/metrics"
+        self.every = every
         self.halt = threading.Event()
         self.scrapes = 0
         self.series = 0
@@ -184,7 +189,7 @@ class Scraper(threading.Thread):
                 body = resp.read().decode()
             self.scrapes += 1
             self.series = sum(1 for line in body.splitlines() if line and not line.startswith("#"))
-            self.halt.wait(5.0)
+            self.halt.wait(self.every)
 
     def stop(self) -> None:
         self.halt.set()

@@ -99,6 +99,7 @@ class Kiwid:
             f"[gpu.sim]\ndevices = {devices}\nmemory_gib = 80\n"
             f'[control]\nsocket = "{self.sock}"\nadmin_group = "{_own_group()}"\n'
             f'[daemon]\nstate_dir = "{self.dir / "state"}"\n'
+            '[kubernetes]\ncdi_dir = ""\n'  # no CDI spec on the machine for a benchmark
             + (f'[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n' if metrics_port else "")
         )
         self._profile = profile

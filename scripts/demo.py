@@ -56,6 +56,7 @@ def main() -> int:
     config.write_text(
         f'[scheduler]\ntq = {args.tq}\nidle_release = 1\n[gpu]\nbackend = "sim"\npoll_interval = 0.1\n'
         f'[control]\nsocket = "{sock}"\n[daemon]\nstate_dir = "{work}/state"\n'
+        '[kubernetes]\ncdi_dir = ""\n'  # the demo leaves no CDI spec behind
     )
     parent = V2 / f"kiwi-demo-{uuid.uuid4().hex[:6]}"
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []

@@ -351,6 +351,7 @@ def config_text(tq: float, gate: str | None, backend: str = "nvml") -> str:
         f'[gpu]\nbackend = "{backend}"\npoll_interval = 0.1\n{gate_line}{sim}'
         f'[control]\nsocket = "{SOCK}"\n'
         f'[daemon]\nstate_dir = "{STATE}"\n'
+        '[kubernetes]\ncdi_dir = ""\n'
     )
 
 

@@ -30,12 +30,16 @@ RECAP = re.compile(
 VERSION_LINE = re.compile(r'^(version = |__version__ = )"(?P<v>[^"]+)"', re.MULTILINE)
 
 
-def source_copy(dest: Path, version: str | None = None) -> Path:
-    """Copy what a wheel is built from into ``dest``; optionally change its version."""
+def source_copy(dest: Path, version: str | None = None, source: Path = REPO) -> Path:
+    """Copy what a wheel is built from into ``dest``; optionally change its version.
+
+    ``source`` is the checkout, or an earlier copy (so that a second wheel is built
+    from the very same tree as the first, whatever changed in the checkout since).
+    """
     dest.mkdir(parents=True)
     for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(REPO / name, dest / name)
-    shutil.copytree(REPO / "kiwid", dest / "kiwid", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(source / name, dest / name)
+    shutil.copytree(source / "kiwid", dest / "kiwid", ignore=shutil.ignore_patterns("__pycache__"))
     if version is not None:
         for file in (dest / "pyproject.toml", dest / "kiwid" / "__init__.py"):
             text = file.read_text()
@@ -43,8 +47,8 @@ def source_copy(dest: Path, version: str | None = None) -> Path:
     return dest
 
 
-def project_version() -> str:
-    match = VERSION_LINE.search((REPO / "kiwid" / "__init__.py").read_text())
+def project_version(source: Path = REPO) -> str:
+    match = VERSION_LINE.search((source / "kiwid" / "__init__.py").read_text())
     assert match is not None, "no __version__ in kiwid/__init__.py"
     return match.group("v")
 

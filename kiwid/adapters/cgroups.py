@@ -401,14 +401,28 @@ def isolate_process(pid: int, layout: CgroupLayout, parent: str = "kiwi") -> Cgr
     ref = CgroupRef(
         v2=path if layout.v2_root else None, v1_freezer=path if layout.v1_freezer_root else None
     )
-    dirs = [directory for directory in layout.dirs(ref) if directory is not None]
-    if not dirs:
+    v2_dir, v1_dir = layout.dirs(ref)
+    if v2_dir is None and v1_dir is None:
         raise IsolationError(f"no cgroup hierarchy to isolate process {pid} into")
+    moved_v2 = False
     try:
-        for directory in dirs:
-            directory.mkdir(parents=True, exist_ok=True)
-            with open(directory / "cgroup.procs", "w") as handle:
-                handle.write(str(pid))
+        for directory in (v2_dir, v1_dir):
+            if directory is None:
+                continue
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                with open(directory / "cgroup.procs", "w") as handle:
+                    handle.write(str(pid))
+            except OSError as exc:
+                # The v1 freezer is optional where cgroup2 can freeze (it may be
+                # mounted read-only, as in systemd-nspawn hosts on hybrid layouts).
+                usable_v2 = moved_v2 and v2_dir is not None and (v2_dir / "cgroup.freeze").exists()
+                if directory is v1_dir and usable_v2 and exc.errno != errno.ESRCH:
+                    with contextlib.suppress(OSError):
+                        directory.rmdir()
+                    return CgroupRef(v2=ref.v2, v1_freezer=None)
+                raise
+            moved_v2 = moved_v2 or directory is v2_dir
     except OSError as exc:
         remove_isolation(ref, layout)
         what = "is gone" if exc.errno == errno.ESRCH else f"could not be moved: {exc}"

@@ -351,3 +351,28 @@ def test_isolate_process_refuses_itself_and_a_vanished_process(sandbox: Sandbox)
     v2, _ = sandbox.layout.dirs(CgroupRef(f"{sandbox.top}/pid-{child.pid}", None))
     assert v2 is not None
     assert not v2.exists()  # nothing left behind
+
+
+def test_isolate_process_does_without_an_unwritable_v1_freezer(
+    sandbox: Sandbox, tmp_path: Path
+) -> None:
+    """Hybrid systemd-nspawn hosts mount the v1 freezer read-only; cgroup2 still freezes."""
+    if sandbox.layout.v2_root is None:
+        pytest.skip("no cgroup2 hierarchy")
+    not_a_hierarchy = tmp_path / "file"
+    not_a_hierarchy.write_text("")  # mkdir below a file fails, as on a read-only mount
+    layout = CgroupLayout(v2_root=sandbox.layout.v2_root, v1_freezer_root=not_a_hierarchy)
+    bare = sandbox.spawn(BUSY)
+
+    ref = isolate_process(bare.pid, layout, parent=sandbox.parent)
+
+    assert ref == CgroupRef(v2=f"{sandbox.top}/pid-{bare.pid}", v1_freezer=None)
+    freezer = Freezer(layout)
+    freezer.freeze(ref)
+    assert freezer.is_frozen(ref)
+    assert_cpu_stopped(bare.pid)
+    freezer.thaw(ref)
+    bare.kill()
+    bare.wait(timeout=5)
+    wait_until(lambda: not _populated(sandbox, ref), what="the cgroup to empty")
+    remove_isolation(ref, layout)

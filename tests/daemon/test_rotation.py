@@ -18,6 +18,17 @@ def holder(k) -> str | None:
     return h["tenant"] if h else None
 
 
+def holder_and_waiter(start_kiwid, tenants, **config):
+    """A kiwid (TQ 30 s) where busy tenant ``a`` holds the GPU and ``b`` is gated behind it."""
+    k = start_kiwid(tq=30, poll=0.05, **config)
+    a, b = tenants("a"), tenants("b")
+    k.attach(a.pid)
+    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
+    k.attach(b.pid)
+    wait_for(b.frozen, 5, "b to be gated behind a")
+    return k, a, b
+
+
 def runnable(tenants) -> list[str] | None:
     """Which tenants are not frozen, from a consistent read (None if it moved)."""
     first = [t.frozen() for t in tenants]
@@ -59,12 +70,7 @@ def test_only_one_tenant_runs_and_the_order_is_round_robin(start_kiwid, tenants)
 
 
 def test_holder_that_exits_hands_over_at_once(start_kiwid, tenants) -> None:
-    k = start_kiwid(tq=30, idle_release=5, poll=0.05)
-    a, b = tenants("a"), tenants("b")
-    k.attach(a.pid)
-    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
-    k.attach(b.pid)
-    wait_for(b.frozen, 5, "b to be gated behind a")
+    k, a, b = holder_and_waiter(start_kiwid, tenants, idle_release=5)
     a.proc.kill()
     a.proc.wait()
     started = time.monotonic()
@@ -74,12 +80,7 @@ def test_holder_that_exits_hands_over_at_once(start_kiwid, tenants) -> None:
 
 
 def test_sigterm_thaws_everyone_and_clears_the_state(start_kiwid, tenants, workdir) -> None:
-    k = start_kiwid(tq=30, poll=0.05)
-    a, b = tenants("a"), tenants("b")
-    k.attach(a.pid)
-    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
-    k.attach(b.pid)
-    wait_for(b.frozen, 5, "b to be gated")
+    k, a, b = holder_and_waiter(start_kiwid, tenants)
     assert (workdir / "state" / "state.json").exists()
     assert k.stop(signal.SIGTERM) == 0
     assert not b.frozen() and not a.frozen()
@@ -88,12 +89,7 @@ def test_sigterm_thaws_everyone_and_clears_the_state(start_kiwid, tenants, workd
 
 
 def test_after_sigkill_recover_thaws(start_kiwid, tenants, workdir) -> None:
-    k = start_kiwid(tq=30, poll=0.05)
-    a, b = tenants("a"), tenants("b")
-    k.attach(a.pid)
-    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
-    k.attach(b.pid)
-    wait_for(b.frozen, 5, "b to be gated")
+    k, _a, b = holder_and_waiter(start_kiwid, tenants)
     k.proc.kill()
     k.proc.wait()
     assert b.frozen(), "SIGKILL leaves the tenant frozen: that is what recover is for"
@@ -156,12 +152,7 @@ def test_bare_processes_are_isolated_frozen_alone_and_cleaned_up(start_kiwid, wo
 def test_a_restarted_kiwid_re_adopts_its_waiters_without_thawing_them(
     start_kiwid, tenants, workdir
 ) -> None:
-    k = start_kiwid(tq=30, poll=0.05)
-    a, b = tenants("a"), tenants("b")
-    k.attach(a.pid)
-    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
-    k.attach(b.pid)
-    wait_for(b.frozen, 5, "b to be gated")
+    k, a, b = holder_and_waiter(start_kiwid, tenants)
     k.proc.kill()
     k.proc.wait()
     k2 = start_kiwid(wait_ready=False)
@@ -179,12 +170,7 @@ def test_a_restarted_kiwid_re_adopts_its_waiters_without_thawing_them(
 
 
 def test_a_restarted_kiwid_ungates_what_it_no_longer_sees(start_kiwid, tenants, workdir) -> None:
-    k = start_kiwid(tq=30, poll=0.05)
-    a, b = tenants("a"), tenants("b")
-    k.attach(a.pid)
-    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
-    k.attach(b.pid)
-    wait_for(b.frozen, 5, "b to be gated")
+    k, _a, b = holder_and_waiter(start_kiwid, tenants)
     k.proc.kill()
     k.proc.wait()
     (workdir / "state" / "sim.json").unlink()  # the new kiwid sees no GPU processes

@@ -376,7 +376,16 @@ def _refuse_own(target: Path, own_dir: Path | None) -> None:
         )
 
 
-def isolate_process(pid: int, layout: CgroupLayout, parent: str = "kiwi") -> CgroupRef:
+ISOLATION_PARENT = "kiwi"
+"""Where bare processes get a cgroup of their own: ``/kiwi/pid-<pid>``."""
+
+
+def isolation_path(pid: int, parent: str = ISOLATION_PARENT) -> str:
+    """The cgroup path :func:`isolate_process` moves ``pid`` into."""
+    return f"/{parent.strip('/')}/pid-{pid}"
+
+
+def isolate_process(pid: int, layout: CgroupLayout, parent: str = ISOLATION_PARENT) -> CgroupRef:
     """Move a bare process into ``/<parent>/pid-<pid>`` in cgroup2 and the v1 freezer.
 
     Writing a PID to ``cgroup.procs`` moves all the threads of that process. Only the
@@ -397,7 +406,7 @@ def isolate_process(pid: int, layout: CgroupLayout, parent: str = "kiwi") -> Cgr
     """
     if pid == os.getpid():
         raise IsolationError("refusing to isolate kiwid itself")
-    path = f"/{parent.strip('/')}/pid-{pid}"
+    path = isolation_path(pid, parent)
     ref = CgroupRef(
         v2=path if layout.v2_root else None, v1_freezer=path if layout.v1_freezer_root else None
     )

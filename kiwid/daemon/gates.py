@@ -100,13 +100,7 @@ class FreezeGate:
                 msg = f"{ident.key}: cannot move it into a cgroup of its own: {err}"
                 raise GateError(msg) from err
             self._isolated[ident.key] = ref
-        return GatedRecord(
-            tenant=ident.key,
-            method=self.method,
-            cgroup_v2=ref.v2,
-            cgroup_v1_freezer=ref.v1_freezer,
-            pids=tuple(sorted(tenant.pids)),
-        )
+        return _record(tenant, self.method, ref.v2, ref.v1_freezer)
 
     def gate(self, record: GatedRecord) -> None:
         """Freeze the tenant's cgroup and wait until it is frozen.
@@ -151,13 +145,7 @@ class CudaLockGate:
     def prepare(self, tenant: TenantInfo) -> GatedRecord:
         """Return the record (the PIDs to unlock)."""
         ident = tenant.identity
-        return GatedRecord(
-            tenant=ident.key,
-            method=self.method,
-            cgroup_v2=ident.cgroup_v2,
-            cgroup_v1_freezer=ident.cgroup_v1_freezer,
-            pids=tuple(sorted(tenant.pids)),
-        )
+        return _record(tenant, self.method, ident.cgroup_v2, ident.cgroup_v1_freezer)
 
     def gate(self, record: GatedRecord) -> None:
         """Lock every process; if one fails, unlock those already locked.
@@ -205,7 +193,7 @@ class NullGate:
 
     def prepare(self, tenant: TenantInfo) -> GatedRecord:
         """Return a record that needs no undoing."""
-        return GatedRecord(tenant.key, self.method, None, None, tuple(sorted(tenant.pids)))
+        return _record(tenant, self.method, None, None)
 
     def gate(self, record: GatedRecord) -> None:
         """Do nothing."""
@@ -215,6 +203,10 @@ class NullGate:
 
     def forget(self, tenant: str) -> None:
         """Do nothing."""
+
+
+def _record(tenant: TenantInfo, method: str, v2: str | None, v1: str | None) -> GatedRecord:
+    return GatedRecord(tenant.key, method, v2, v1, tuple(sorted(tenant.pids)))
 
 
 def _ref(record: GatedRecord) -> CgroupRef:

@@ -7,6 +7,7 @@ import logging
 import os
 
 from kiwid.adapters import procs
+from kiwid.adapters.cgroups import isolation_path
 from kiwid.daemon.tenants import Identity
 
 log = logging.getLogger("kiwid.tenants")
@@ -31,7 +32,7 @@ def identify(pid: int) -> Identity | None:
         return None
     if tenant is None:
         return None
-    if f"/kiwi/pid-{pid}" in (tenant.cgroup_v2, tenant.cgroup_v1_freezer):
+    if isolation_path(pid) in (tenant.cgroup_v2, tenant.cgroup_v1_freezer):
         # A bare process that a kiwid isolated earlier: still the same bare tenant.
         return Identity(
             key=f"pid:{pid}",

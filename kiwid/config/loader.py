@@ -77,7 +77,7 @@ class _Rule:
     """How one TOML value is checked, and which dataclass field it fills."""
 
     attr: str
-    kind: type[int] | type[float] | type[str]  # float accepts integers too
+    kind: type[int] | type[float] | type[str] | type[list[Any]]  # float accepts ints too
     expects: str  # completes "must be ..."
     accepts: Callable[[Any], bool]
 
@@ -158,6 +158,12 @@ _KUBERNETES_RULES = {
         lambda v: v == "" or v.startswith("/"),
     ),
     "device_plugin_dir": _abs_path("device_plugin_dir"),
+    "gpus": _Rule(
+        "gpus",
+        list,
+        'a list of GPU indices or UUIDs, e.g. ["0", "GPU-..."] ([] for all)',
+        lambda v: all(isinstance(g, str) and g for g in v),
+    ),
 }
 _SECTIONS = ("scheduler", "gpu", "control", "daemon", "memory", "metrics", "kubernetes")
 
@@ -249,7 +255,12 @@ class _Reader:
                 continue
             kind_ok = _has_kind(value, rule.kind)
             if kind_ok and rule.accepts(value):
-                values[rule.attr] = float(value) if rule.kind is float else value
+                stored = value
+                if rule.kind is float:
+                    stored = float(value)
+                elif rule.kind is list:
+                    stored = tuple(value)  # frozen settings stay hashable
+                values[rule.attr] = stored
                 if rule.attr == "tq" and value <= SHORT_TQ_S:
                     self.warnings.append(
                         f"{dotted} = {_show(value)}: a TQ of {SHORT_TQ_S:g} s or less is "

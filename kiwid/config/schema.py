@@ -255,6 +255,10 @@ class KubernetesSettings:
     device_plugin_dir: str = "/var/lib/kubelet/device-plugins"
     """The kubelet's device-plugin directory (absolute path; kubelet.sock lives there)."""
 
+    gpus: tuple[str, ...] = ()
+    """GPUs (indices or UUIDs) the device plugin hands out; empty: all. Leave the
+    others to NVIDIA's device plugin so the two never hand out the same GPU."""
+
 
 @dataclass(frozen=True)
 class Settings:

@@ -66,8 +66,7 @@ def plugin_config(settings: Settings, device_plugin_dir: str | None = None) -> P
         resource_name=k8s.resource,
         replicas=k8s.replicas,
         device_plugin_dir=device_plugin_dir or k8s.device_plugin_dir,
-        # kubernetes.gpus (the GPUs handed out; default all) may not be in the schema yet.
-        gpus=tuple(str(g) for g in getattr(k8s, "gpus", ())),
+        gpus=k8s.gpus,
         cdi_dirs=tuple(dict.fromkeys([*cdi.CDI_DIRS, k8s.cdi_dir])),
     )
 

@@ -51,6 +51,7 @@ KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
         '"/tmp/dp"',
         "/tmp/dp",
     ),
+    ("kubernetes", "gpus"): ("kubernetes", "gpus", '["2", "GPU-x"]', ("2", "GPU-x")),
 }
 KEYS_GROUPS = [f.name for f in dataclasses.fields(Settings)]
 
@@ -344,3 +345,8 @@ def test_metrics_listen_is_host_and_port(listen: str, ok: bool) -> None:
         assert parse_config(text).settings.metrics.listen == listen
     else:
         assert "metrics.listen" in errors(text)[0]
+
+
+def test_kubernetes_gpus_must_be_a_list_of_names() -> None:
+    assert "kubernetes.gpus" in errors('kubernetes.gpus = "0"')[0]
+    assert "kubernetes.gpus" in errors("kubernetes.gpus = [0]")[0]

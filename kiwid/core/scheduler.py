@@ -173,6 +173,8 @@ class Scheduler:
 
     def drain_transitions(self) -> list[Transition]:
         """Return (and forget) the state changes since the last call, oldest first."""
+        if not self._transitions:  # the common case, once per event on the poll path
+            return []
         out = list(self._transitions)
         self._transitions.clear()
         return out

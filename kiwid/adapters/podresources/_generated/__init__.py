@@ -1,0 +1,1 @@
+"""protoc output for proto/podresources/v1/api.proto; see proto/generate.py."""

@@ -360,12 +360,17 @@ def test_allocate_returns_kiwi_and_nvidia_cdi_devices(
         f"nvidia.com/gpu={UUID0}",
         "nvidia.com/gpu=1",
     ]
-    assert dict(both.envs) == {"NVIDIA_VISIBLE_DEVICES": "void"}
-    ((key, value),) = both.annotations.items()
+    # The device IDs go into the container too: kiwid finds its pod by them.
+    ids = f"{UUID1}::1,{UUID0}::0"
+    assert dict(both.envs) == {"NVIDIA_VISIBLE_DEVICES": "void", "KIWI_DEVICE_IDS": ids}
+    annotations = dict(both.annotations)
+    assert annotations.pop("kiwi.io/device-ids") == ids
+    ((key, value),) = annotations.items()
     assert key.startswith("cdi.k8s.io/kiwi-device-plugin_")
     assert value.split(",") == names
     # Two slots of one GPU are one GPU.
     assert [d.name for d in one.cdi_devices] == [f"kiwi.io/gpu={UUID0}", f"nvidia.com/gpu={UUID0}"]
+    assert one.annotations["kiwi.io/device-ids"] == f"{UUID0}::1,{UUID0}::0"
 
 
 def test_without_nvidias_cdi_spec_the_nvidia_runtime_gets_the_gpus_by_env(
@@ -384,7 +389,10 @@ def test_without_nvidias_cdi_spec_the_nvidia_runtime_gets_the_gpus_by_env(
 
     (container,) = answer.container_responses
     assert [d.name for d in container.cdi_devices] == [f"kiwi.io/gpu={UUID1}"]
-    assert dict(container.envs) == {"NVIDIA_VISIBLE_DEVICES": UUID1}
+    assert dict(container.envs) == {
+        "NVIDIA_VISIBLE_DEVICES": UUID1,
+        "KIWI_DEVICE_IDS": f"{UUID1}::0",
+    }
 
 
 def test_allocate_refuses_unknown_devices(

@@ -7,7 +7,9 @@ given out). `allocate_response` answers with CDI device names: Kiwi's
 ``kiwi.io/gpu=<uuid>`` (its hooks register the container with kiwid) plus NVIDIA's
 ``nvidia.com/gpu=<uuid>`` when NVIDIA's CDI spec is on the node (device nodes and
 driver libraries); without it, ``NVIDIA_VISIBLE_DEVICES`` for the NVIDIA container
-runtime.
+runtime. It also puts the container's device IDs into the container (annotation
+``kiwi.io/device-ids``, variable ``KIWI_DEVICE_IDS``): kiwi-hook passes them to
+kiwid, which finds the container's pod by them in the kubelet's PodResources API.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from kiwid.adapters.deviceplugin.config import PluginConfig
 from kiwid.adapters.gpu import DriverUnavailable, GpuBackend, GpuBackendError, GpuLost
 
 __all__ = [
+    "DEVICE_IDS_ANNOTATION",
+    "DEVICE_IDS_ENV",
     "HEALTHY",
     "UNHEALTHY",
     "BackendHealth",
@@ -41,6 +45,11 @@ HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 _SEPARATOR = "::"
 _ANNOTATION_PREFIX = "cdi.k8s.io/kiwi-device-plugin_"
+# Both carry the container's device IDs, comma-separated. CRI-O passes every
+# annotation into the OCI spec, containerd only those its runtime allows
+# (container_annotations), so the variable is there for containerd.
+DEVICE_IDS_ANNOTATION = "kiwi.io/device-ids"
+DEVICE_IDS_ENV = "KIWI_DEVICE_IDS"
 
 
 @dataclass(frozen=True)
@@ -278,7 +287,10 @@ def preferred_allocation(
 
 
 def allocate_response(
-    gpus: Sequence[GpuHealth], config: PluginConfig, cdi_names: CdiNames
+    gpus: Sequence[GpuHealth],
+    config: PluginConfig,
+    cdi_names: CdiNames,
+    device_ids: Sequence[str] = (),
 ) -> pb.ContainerAllocateResponse:
     """What one container gets for its GPUs.
 
@@ -286,12 +298,14 @@ def allocate_response(
         gpus: The container's GPUs (distinct).
         config: The plugin settings (CDI kinds).
         cdi_names: Which CDI device names the node's specs declare.
+        device_ids: The slots the kubelet allocated to the container.
 
     Returns:
         CDI device names (also as the ``cdi.k8s.io/`` annotation that containerd
-        1.7 and CRI-O read when the kubelet does not pass CDI devices), and
+        1.7 and CRI-O read when the kubelet does not pass CDI devices),
         ``NVIDIA_VISIBLE_DEVICES``: ``void`` when NVIDIA's CDI devices are used,
-        else the GPUs' UUIDs for the NVIDIA container runtime.
+        else the GPUs' UUIDs for the NVIDIA container runtime, and the device IDs
+        (`DEVICE_IDS_ANNOTATION`, `DEVICE_IDS_ENV`).
     """
     kiwi = _cdi_names(config.cdi_kind, gpus, cdi_names(config.cdi_kind))
     if len(kiwi) < len(gpus):
@@ -313,6 +327,8 @@ def allocate_response(
     if names:
         digest = hashlib.sha256(",".join(g.uuid for g in gpus).encode()).hexdigest()[:16]
         annotations[_ANNOTATION_PREFIX + digest] = ",".join(names)
+    if device_ids:
+        annotations[DEVICE_IDS_ANNOTATION] = envs[DEVICE_IDS_ENV] = ",".join(device_ids)
     return pb.ContainerAllocateResponse(
         envs=envs,
         annotations=annotations,

@@ -154,7 +154,10 @@ class DevicePluginService:
     def allocate(
         self, request: pb.AllocateRequest, context: grpc.ServicerContext
     ) -> pb.AllocateResponse:
-        """Give each container the CDI devices (and environment) of its slots' GPUs."""
+        """Give each container the CDI devices (and environment) of its slots' GPUs.
+
+        Each container also carries its device IDs, by which kiwid finds its pod.
+        """
         answers = []
         for container in request.container_requests:
             gpus: dict[str, GpuHealth] = {}
@@ -164,7 +167,9 @@ class DevicePluginService:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown device {device!r}")
                 gpus.setdefault(gpu.uuid, gpu)
             chosen = sorted(gpus.values(), key=lambda g: g.index)
-            answers.append(allocate_response(chosen, self._config, self._cdi_names))
+            answers.append(
+                allocate_response(chosen, self._config, self._cdi_names, container.devices_ids)
+            )
             log.info(
                 "Allocate %s -> %s",
                 ",".join(container.devices_ids),

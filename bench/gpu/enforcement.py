@@ -61,7 +61,7 @@ WORK = Path("/tmp/kiwi-bench")
 SOCK = WORK / "kiwid.sock"
 STATE = WORK / "state"
 CG_PREFIX = "kiwigpu-bench-"
-KIWID_DEPS = ("psutil", "sdnotify", "watchdog")
+KIWID_DEPS = ("psutil", "sdnotify", "watchdog", "prometheus_client")
 GATES = ("freeze", "cuda-lock")
 GAP_S = 0.05  # an iteration slower than this is a stall (gated); iterations take ~2-6 ms
 NVML_PERIOD_S = 0.05
@@ -1066,10 +1066,12 @@ def missing_kiwid_deps() -> list[str]:
 
 
 PIP_HINT = (
-    "kiwid needs the Python packages psutil, sdnotify and watchdog in this python ({exe}).\n"
-    "  Install them:   {exe} -m pip install psutil sdnotify watchdog\n"
+    "kiwid needs the Python packages psutil, sdnotify, watchdog and prometheus-client in this"
+    " python ({exe}).\n"
+    "  Install them:   {exe} -m pip install psutil sdnotify watchdog prometheus-client\n"
     "  Without internet, from carried wheels:\n"
-    "    {exe} -m pip install --no-index --find-links WHEEL_DIR psutil sdnotify watchdog\n"
+    "    {exe} -m pip install --no-index --find-links WHEEL_DIR \\\n"
+    "      psutil sdnotify watchdog prometheus-client\n"
     "  or, on a machine that has them, run this script with --vendor-deps and carry\n"
     "  bench/gpu/_deps along (it is put on the path when present; see --deps)"
 )
@@ -1306,7 +1308,7 @@ def main() -> int:
         "--deps",
         type=Path,
         default=DEPS_DIR,
-        help="folder with psutil, sdnotify, watchdog for kiwid, used if present "
+        help="folder with psutil, sdnotify, watchdog, prometheus_client for kiwid, used if present "
         "(default %(default)s)",
     )
     parser.add_argument(

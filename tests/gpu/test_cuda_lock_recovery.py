@@ -71,11 +71,16 @@ def cuda_worker():
                 pass
         proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def test_recover_unlocks_what_a_killed_locker_left(cuda_worker, tmp_path: Path) -> None:
     pid = cuda_worker.pid
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # The repo first, then whatever path the caller set up (kiwid's dependencies may
+    # live in a carried folder on a GPU machine without a venv).
+    paths = [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     locker = subprocess.Popen(
         [sys.executable, "-c", LOCKER, str(pid)],
         stdin=subprocess.PIPE,
@@ -104,6 +109,9 @@ def test_recover_unlocks_what_a_killed_locker_left(cuda_worker, tmp_path: Path) 
     )
     locker.send_signal(signal.SIGKILL)
     locker.wait()
+    locker.stdout.close()
+    assert locker.stdin is not None
+    locker.stdin.close()
     lock = cudalock.CudaLock()
     assert lock.state(pid) is cudalock.ProcessState.LOCKED, "the lock outlives its taker"
     out = subprocess.run(

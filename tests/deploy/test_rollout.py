@@ -12,8 +12,11 @@ order, each leaving the fleet deployed and running for the next:
    the serial rollout stops at the first host.
 4. The watchdog restarts a SIGSTOPped kiwid; after SIGKILL the unit restarts and
    ExecStopPost= has thawed a real tenant that kiwid had frozen.
-5. upgrade.yml restarts one host at a time into a new version; uninstall.yml
-   thaws everything and removes what the role installed.
+5. ``kiwid_kubernetes: true`` writes ``[kubernetes]`` and runs the device plugin,
+   which waits for a kubelet without crashing; a second run changes nothing;
+   ``kiwid_kubernetes: false`` stops and removes it again.
+6. upgrade.yml restarts one host at a time into a new version (the device plugin
+   too); uninstall.yml thaws everything and removes what the role installed.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from tests.deploy.playbook import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 KIWICTL = "/opt/kiwi/bin/kiwictl"
+PLUGIN = "kiwi-device-plugin"
 KIWI_PYTHON = "/opt/kiwi/bin/python"
 SCRAPE = (
     "import sys, urllib.request\n"
@@ -79,13 +83,19 @@ def unit(host: Host) -> dict[str, str]:
     )
 
 
+def plugin(host: Host) -> dict[str, str]:
+    return host.show(
+        PLUGIN, "ActiveState", "SubState", "MainPID", "NRestarts", "LoadState", "UnitFileState"
+    )
+
+
 def now(host: Host) -> str:
     """A mark in the host's clock for ``journal(since=...)``."""
     return host.sh("date +%s.%N").strip()
 
 
-def journal(host: Host, since: str | None = None) -> str:
-    argv = ["journalctl", "-u", "kiwid", "-o", "cat", "--no-pager"]
+def journal(host: Host, since: str | None = None, service: str = "kiwid") -> str:
+    argv = ["journalctl", "-u", service, "-o", "cat", "--no-pager"]
     if since:
         argv += ["--since", f"@{since}"]
     return host.run(*argv).stdout
@@ -416,7 +426,77 @@ def test_sigkill_restarts_and_execstoppost_thaws_the_frozen_tenant(
             assert not any("left gated by a previous kiwid" in m for m in messages), messages
 
 
-# ---------------------------------------------------------------- 5. upgrade, uninstall
+# ---------------------------------------------------------------- 5. Kubernetes nodes
+
+
+def test_kubernetes_nodes_run_the_device_plugin(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet
+) -> None:
+    before = {h.name: unit(h)["MainPID"] for h in fleet.hosts}
+    ansible.vars["kiwid_kubernetes"] = True
+    ansible.vars["kiwid_kubernetes_replicas"] = 8
+    run = ansible.play("site.yml")
+    assert_ok(run)
+    for host in fleet.hosts:
+        assert run.changed(host.name) > 0, run.explain()
+        config = host.run("cat", "/etc/kiwi.toml").stdout
+        assert "\n[kubernetes]\n" in config and "\nreplicas = 8\n" in config, config
+        # The CDI directory is kiwid's default, so kiwid only reloads.
+        assert unit(host)["MainPID"] == before[host.name]
+        assert status(host)["config"]["last_reload"]["ok"]
+    # These hosts have no kubelet: the plugin waits for kubelet.sock, and runs on.
+    for host in fleet.hosts:
+
+        def waiting(host: Host = host) -> str | None:
+            log = journal(host, None, PLUGIN)
+            return log if "waiting for the kubelet's socket" in log else None
+
+        log = wait_for(waiting, 20, f"{PLUGIN} on {host.name} to wait for the kubelet")
+        assert "1 GPUs (sim backend), 8 replicas each, resource kiwi.io/gpu" in log, log
+    started = {h.name: plugin(h) for h in fleet.hosts}
+    for host in fleet.hosts:
+        p = started[host.name]
+        assert (p["ActiveState"], p["SubState"], p["UnitFileState"]) == (
+            "active", "running", "enabled"
+        ), p  # fmt: skip
+
+    again = ansible.play("site.yml")
+    assert_ok(again)
+    for host in fleet.hosts:
+        assert again.changed(host.name) == 0, again.explain()
+        # Still the same process, some 10 s later: no crash loop, no restart.
+        p = plugin(host)
+        assert (p["ActiveState"], p["MainPID"], p["NRestarts"]) == (
+            "active", started[host.name]["MainPID"], "0"
+        ), p  # fmt: skip
+
+
+def test_kubernetes_false_removes_the_device_plugin(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet
+) -> None:
+    # On the first host only: the other keeps its plugin for the upgrade and
+    # uninstall tests below (the inventory still says true).
+    first, other = fleet.hosts[0], fleet.hosts[-1]
+    kiwid_pid = unit(first)["MainPID"]
+    other_plugin = plugin(other)["MainPID"]
+    run = ansible.play("site.yml", "--limit", first.name, extra={"kiwid_kubernetes": False})
+    assert_ok(run)
+    assert list(run.recap) == [first.name], run.explain()
+    assert run.changed(first.name) > 0, run.explain()
+    assert plugin(first)["LoadState"] == "not-found"
+    left = first.sh("ls /etc/systemd/system | grep kiwi-device-plugin; true")
+    assert left == "", left
+    assert "[kubernetes]" not in first.run("cat", "/etc/kiwi.toml").stdout
+    assert unit(first)["MainPID"] == kiwid_pid, "kiwid only reloaded"
+    if other is not first:
+        assert plugin(other)["MainPID"] == other_plugin
+
+    again = ansible.play("site.yml", "--limit", first.name, extra={"kiwid_kubernetes": False})
+    assert_ok(again)
+    assert again.changed(first.name) == 0, again.explain()
+
+
+# ---------------------------------------------------------------- 6. upgrade, uninstall
 
 
 def test_rolling_upgrade_restarts_one_host_at_a_time(
@@ -430,6 +510,7 @@ def test_rolling_upgrade_restarts_one_host_at_a_time(
     ansible.vars["kiwid_wheelhouse"] = str(house)
     ansible.vars["kiwid_systemd_overrides"] = {}
     before = {h.name: unit(h) for h in fleet.hosts}
+    plugin_before = {h.name: plugin(h)["MainPID"] for h in fleet.hosts}
 
     run = ansible.play("upgrade.yml", extra={"kiwid_serial": 1})
     assert_ok(run)
@@ -440,6 +521,12 @@ def test_rolling_upgrade_restarts_one_host_at_a_time(
         assert u["WatchdogUSec"] == "30s", "the override is gone from the drop-in"
         st = status(host)
         assert st["version"] == new and st["gpus"][0]["tq"] == 25.0, st
+        # The device plugin runs the new version too: restarted by the package
+        # change, or installed again where the previous test had removed it.
+        p = plugin(host)
+        assert p["ActiveState"] == "active", p
+        assert p["MainPID"] not in (plugin_before[host.name], "0"), p
+        assert f"[INFO] {PLUGIN} {new}: " in journal(host, None, PLUGIN)
     again = ansible.play("upgrade.yml")
     assert_ok(again)
     assert all(again.changed(h.name) == 0 for h in fleet.hosts), again.explain()
@@ -455,9 +542,11 @@ def test_uninstall_thaws_tenants_and_removes_everything(
             service, _pid = waiting[host.name]
             assert not frozen(host, service), f"{service} on {host.name} is still frozen"
             assert unit(host)["LoadState"] == "not-found"
+            assert plugin(host)["LoadState"] == "not-found"
             left = host.sh(
                 "for p in /opt/kiwi /etc/kiwi.toml /run/kiwi /var/cache/kiwi"
-                " /etc/systemd/system/kiwid.service; do [ -e $p ] && echo $p; done; true"
+                " /etc/systemd/system/kiwid.service /etc/systemd/system/kiwi-device-plugin.service"
+                " /var/run/cdi/kiwi.io-gpu.json; do [ -e $p ] && echo $p; done; true"
             )
             assert left == "", left
             assert host.run("getent", "group", "kiwi", check=False).returncode == 2

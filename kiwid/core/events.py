@@ -53,11 +53,47 @@ class FootprintSeen:
 
 
 @dataclass(frozen=True)
+class SwapFinished:
+    """The shell carried out a :class:`SwapOut` or :class:`SwapIn` (or could not).
+
+    A failed swap-out leaves the tenant's memory on the card (gated, intact); a
+    failed swap-in leaves it in host RAM (gated). Either way the rotation goes on.
+    """
+
+    tenant: TenantId
+    direction: str
+    """``"out"`` or ``"in"``."""
+    ok: bool
+    moved_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TenantSwapped:
+    """A known tenant's memory is in host RAM (found at start in the state file).
+
+    It is gated (locked and checkpointed) and waits for its turn to come back.
+    """
+
+    tenant: TenantId
+    footprint: Mapping[GpuId, int]
+
+
+@dataclass(frozen=True)
 class Tick:
     """Only time passed (the shell woke for ``next_deadline``)."""
 
 
-Event = GpusConfigured | TenantAttached | TenantDetached | ActivitySeen | FootprintSeen | Tick
+Event = (
+    GpusConfigured
+    | TenantAttached
+    | TenantDetached
+    | ActivitySeen
+    | FootprintSeen
+    | SwapFinished
+    | TenantSwapped
+    | Tick
+)
 
 # ---------------------------------------------------------------- actions
 
@@ -76,4 +112,18 @@ class Ungate:
     tenant: TenantId
 
 
-Action = Gate | Ungate
+@dataclass(frozen=True)
+class SwapOut:
+    """Move a gated tenant's GPU memory to host RAM (lock held, checkpoint)."""
+
+    tenant: TenantId
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """Bring a gated tenant's memory back to the GPU (restore; it stays gated)."""
+
+    tenant: TenantId
+
+
+Action = Gate | Ungate | SwapOut | SwapIn

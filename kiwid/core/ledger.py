@@ -26,6 +26,10 @@ class Ledger:
     """Times its quantum ended because someone waited."""
     early_releases: int = 0
     """Times it yielded before its quantum ended, for lack of GPU work."""
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    swap_s: float = 0.0
+    """Time its memory spent moving between the GPU and host RAM."""
 
     def close(self, state: TenantState, since: float, now: float) -> None:
         """Book the time from ``since`` to ``now`` to ``state``."""
@@ -43,6 +47,9 @@ class Ledger:
             quanta=self.quanta,
             preempted=self.preempted,
             early_releases=self.early_releases,
+            swapped_out_bytes=self.swapped_out_bytes,
+            swapped_in_bytes=self.swapped_in_bytes,
+            swap_s=self.swap_s,
         )
 
 
@@ -57,6 +64,9 @@ class LedgerView:
     quanta: int
     preempted: int
     early_releases: int
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    swap_s: float = 0.0
 
     @property
     def total_s(self) -> float:

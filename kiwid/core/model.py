@@ -23,6 +23,17 @@ class Mode(enum.StrEnum):
     """No gating: the driver time-slices the GPU between everyone."""
 
 
+class SwapMode(enum.StrEnum):
+    """What happens to a waiting tenant's GPU memory (``[memory] swap``)."""
+
+    NONE = "none"
+    """It stays on the card: every tenant's working set must fit together."""
+    CHECKPOINT = "checkpoint"
+    """Every waiting tenant's memory goes to host RAM (the driver's checkpoint)."""
+    AUTO = "auto"
+    """Memory goes to host RAM only when the next tenant would not fit beside it."""
+
+
 class TenantState(enum.StrEnum):
     """Where a tenant stands. Only ``WAITING`` tenants are gated."""
 
@@ -46,8 +57,9 @@ class GpuPolicy:
             early, or a granted waiter goes back to idle.
         mode: The sharing mode.
         capacity_bytes: The card's memory, for ``auto``'s fit test.
-        reserve_bytes: Memory kept free in ``auto``'s fit test (driver, context
-            overheads).
+        reserve_bytes: Memory kept free in ``auto``'s fit test and when swapping
+            (driver, context overheads).
+        swap: Whether and when waiting tenants' memory is swapped to host RAM.
     """
 
     tq_s: float = 30.0
@@ -55,6 +67,7 @@ class GpuPolicy:
     mode: Mode = Mode.EXCLUSIVE
     capacity_bytes: int = 80 * 2**30
     reserve_bytes: int = 2**30
+    swap: SwapMode = SwapMode.NONE
 
     def __post_init__(self) -> None:
         """Reject values the scheduler cannot honour.

@@ -17,6 +17,16 @@ Semantics (DESIGN.md, "Scheduling semantics"):
   waiters cannot overtake it (no starvation, no deadlock).
 * ``exclusive`` GPUs always gate, ``off`` GPUs never, ``auto`` GPUs gate only
   while the bursting tenants' memory does not fit the card minus its reserve.
+
+Memory (``GpuPolicy.swap``, DESIGN.md "Memory"): a tenant whose memory is in
+host RAM is not *resident*. Before a tenant is granted, the core makes room for
+it: a tenant that never held the GPU (unknown footprint) needs the whole card,
+a known one the peak it used before. Resident non-holders are swapped out,
+least recently run first, until it fits; those go out *before* it is swapped
+in. With ``checkpoint`` every other waiting tenant is swapped out too, but
+*after* the new holder runs: it fits beside them, so it need not wait for them.
+A failed swap-out leaves the memory where it was; a failed swap-in sends the
+tenant to the back of the queue for one quantum, and the rotation goes on.
 """
 
 from __future__ import annotations
@@ -34,13 +44,17 @@ from kiwid.core.events import (
     FootprintSeen,
     Gate,
     GpusConfigured,
+    SwapFinished,
+    SwapIn,
+    SwapOut,
     TenantAttached,
     TenantDetached,
+    TenantSwapped,
     Tick,
     Ungate,
 )
 from kiwid.core.ledger import Ledger, LedgerView
-from kiwid.core.model import GpuId, GpuPolicy, Mode, TenantId, TenantState
+from kiwid.core.model import GpuId, GpuPolicy, Mode, SwapMode, TenantId, TenantState
 from kiwid.core.states import Trigger, transition
 from kiwid.core.view import GpuView, SchedulerView, TenantView, WaiterView
 
@@ -72,10 +86,26 @@ class _Tenant:
     granted_at: float | None = None
     footprint: dict[GpuId, int | None] = field(default_factory=dict)
     ledger: Ledger = field(default_factory=Ledger)
+    resident: bool = True
+    """Whether its memory is on the GPU (``False``: swapped out to host RAM)."""
+    peak: dict[GpuId, int] = field(default_factory=dict)
+    """The most memory it was seen using, per GPU (remembered while swapped)."""
+    known: bool = False
+    """Whether it held the GPU before, so that ``peak`` is its working set."""
+    last_run: float = -math.inf
+    """When it was last granted (least recently run is swapped out first)."""
+    retry_at: float = -math.inf
+    """After a failed swap-in: not granted again before this time."""
+    swappable: bool = True
+    """``False`` after a failed swap-out, until it runs again."""
 
     @property
     def bursting(self) -> bool:
         return self.state is not S.IDLE
+
+    def size(self, gpu: GpuId) -> int:
+        """The memory it takes on ``gpu`` when resident."""
+        return max(self.peak.get(gpu, 0), self.footprint.get(gpu) or 0)
 
 
 class Scheduler:
@@ -158,9 +188,23 @@ class Scheduler:
                 tenant = self._tenants.get(tid)
                 if tenant is not None and tenant.footprint.get(gpu, -1) != used:
                     tenant.footprint[gpu] = used
+                    if used is not None and used > tenant.peak.get(gpu, 0):
+                        tenant.peak[gpu] = used
                     policy = self._policies.get(gpu)
                     if policy is not None and policy.mode is Mode.AUTO:
                         scope = {gpu}
+            case SwapFinished():
+                scope = self._swap_finished(event, now)
+            case TenantSwapped(tenant=tid, footprint=footprint):
+                tenant = self._tenants.get(tid)
+                if tenant is not None:
+                    tenant.resident = False
+                    tenant.known = True
+                    tenant.peak.update(footprint)
+                    if tenant.state is S.IDLE:
+                        self._set_state(tenant, Trigger.SWAPPED_OUT, now)
+                        tenant.seq = next(self._seq)
+                    scope = set(tenant.gpus)
             case Tick():
                 scope = {g for g, d in self._gpu_deadline.items() if d <= now}
         if scope is None or scope:
@@ -193,6 +237,16 @@ class Scheduler:
         known = self._tenants.get(tenant)
         return None if known is None else known.state
 
+    def resident(self, tenant: TenantId) -> bool | None:
+        """Whether a tenant's memory is on the GPU (``None``: unknown tenant)."""
+        known = self._tenants.get(tenant)
+        return None if known is None else known.resident
+
+    def peak(self, tenant: TenantId) -> dict[GpuId, int]:
+        """The most memory a tenant was seen using, per GPU (empty: unknown)."""
+        known = self._tenants.get(tenant)
+        return {} if known is None else dict(known.peak)
+
     def tenant_ids(self) -> frozenset[TenantId]:
         """Return every tenant the core knows."""
         return frozenset(self._tenants)
@@ -218,7 +272,7 @@ class Scheduler:
                         WaiterView(t.id, t.state_since, position)
                         for position, t in enumerate(waiters, start=1)
                     ),
-                    memory_in_use_bytes=sum(t.footprint.get(gpu) or 0 for t in on_gpu),
+                    memory_in_use_bytes=sum(t.size(gpu) for t in on_gpu if t.resident),
                 )
             )
         tenants = tuple(
@@ -230,6 +284,8 @@ class Scheduler:
                 last_active=t.last_active,
                 footprint=dict(t.footprint),
                 ledger=t.ledger.view(t.state, t.state_since, now),
+                resident=t.resident,
+                peak=dict(t.peak),
             )
             for t in sorted(self._tenants.values(), key=lambda t: t.id)
         )
@@ -309,8 +365,12 @@ class Scheduler:
         new = transition(tenant.state, trigger)
         ledger = tenant.ledger
         ledger.close(tenant.state, tenant.state_since, now)
+        if tenant.state is S.HOLDER:
+            tenant.known = True  # one hold seen: its peak is its working set
         if new is S.HOLDER:
             ledger.quanta += 1
+            tenant.last_run = now
+            tenant.swappable = True
         elif trigger is Trigger.PREEMPTED:
             ledger.preempted += 1
         elif trigger is Trigger.IDLE_TIMEOUT and tenant.state is S.HOLDER:
@@ -395,6 +455,9 @@ class Scheduler:
         for t in among:
             if t.state in (S.HOLDER, S.WAITING) and not t.gpus & gating:
                 if t.state is S.WAITING:
+                    if not t.resident:
+                        actions.append(SwapIn(t.id))
+                        t.resident = True
                     actions.append(Ungate(t.id))
                     t.last_active = now  # a fresh window to show activity
                 self._set_state(t, Trigger.GATING_STOPPED, now)
@@ -416,17 +479,101 @@ class Scheduler:
                 blocked |= t.gpus & gating
         for t in self._queue(gating, among):
             need = t.gpus & gating
+            if t.retry_at > now:  # its memory could not come back lately: skip a turn
+                continue
             if need & blocked:
                 if t.state is S.CORUNNING:
                     self._set_state(t, Trigger.GATING_STARTED, now)
                     actions.append(Gate(t.id))
             else:
+                self._make_room(t, gating, now, actions)
+                if not t.resident:
+                    actions.append(SwapIn(t.id))
+                    t.resident = True
                 if t.state is S.WAITING:
                     actions.append(Ungate(t.id))
                 self._set_state(t, Trigger.GRANTED, now)
                 t.granted_at = now
             blocked |= need
+        # 5. ``checkpoint``: the other waiters' memory goes to host RAM, after the
+        # new holders were let go (they fit beside it, so they need not wait).
+        for t in among:
+            if (
+                t.state is S.WAITING
+                and t.resident
+                and t.swappable
+                and any(self._swap_mode(g) is SwapMode.CHECKPOINT for g in t.gpus & gating)
+            ):
+                actions.append(SwapOut(t.id))
+                t.resident = False
         self._update_deadlines(gating, among, scope)
+
+    def _swap_mode(self, gpu: GpuId) -> SwapMode:
+        policy = self._policies.get(gpu)
+        return SwapMode.NONE if policy is None else policy.swap
+
+    def _make_room(
+        self, tenant: _Tenant, gating: frozenset[GpuId], now: float, actions: list[Action]
+    ) -> None:
+        """Swap out resident non-holders, least recently run first, until ``tenant`` fits.
+
+        A tenant that never held the GPU needs the whole card (its footprint is
+        unknown until its first turn); a known one, the peak it used before.
+        Room is made only on GPUs that swap; without enough swappable tenants
+        the grant goes ahead anyway (the reserve and the driver decide).
+        """
+        evicted: set[TenantId] = set()
+        for gpu in sorted(tenant.gpus & gating):
+            policy = self._policies[gpu]
+            if policy.swap is SwapMode.NONE:
+                continue
+            room = policy.capacity_bytes - policy.reserve_bytes
+            need = tenant.size(gpu) if tenant.known else room
+            others = [
+                self._tenants[tid]
+                for tid in self._by_gpu.get(gpu, ())
+                if tid != tenant.id and tid not in evicted and self._tenants[tid].resident
+            ]
+            used = sum(o.size(gpu) for o in others)
+            candidates = sorted(
+                (o for o in others if o.state in (S.WAITING, S.IDLE) and o.swappable),
+                key=lambda o: (o.last_run, o.seq),
+            )
+            for victim in candidates:
+                if need + used <= room:
+                    break
+                used -= victim.size(gpu)
+                evicted.add(victim.id)
+                if victim.state is S.IDLE:  # it must be gated before it can be swapped
+                    actions.append(Gate(victim.id))
+                    self._set_state(victim, Trigger.SWAPPED_OUT, now)
+                    victim.seq = next(self._seq)
+                actions.append(SwapOut(victim.id))
+                victim.resident = False
+
+    def _swap_finished(self, event: SwapFinished, now: float) -> set[GpuId]:
+        tenant = self._tenants.get(event.tenant)
+        if tenant is None:
+            return set()
+        ledger = tenant.ledger
+        ledger.swap_s += max(0.0, event.seconds)
+        if event.ok:
+            if event.direction == "out":
+                ledger.swapped_out_bytes += event.moved_bytes
+            else:
+                ledger.swapped_in_bytes += event.moved_bytes
+            return set()
+        if event.direction == "out":
+            tenant.resident = True  # still on the card, gated: not chosen again for now
+            tenant.swappable = False
+            return set(tenant.gpus)
+        tenant.resident = False
+        if tenant.state in (S.HOLDER, S.CORUNNING):
+            self._set_state(tenant, Trigger.SWAP_IN_FAILED, now)
+            tenant.granted_at = None
+            tenant.seq = next(self._seq)
+        tenant.retry_at = now + self._policy_of(tenant).tq_s
+        return set(tenant.gpus)
 
     def _update_deadlines(
         self, gating: frozenset[GpuId], among: list[_Tenant], scope: set[GpuId] | None
@@ -442,6 +589,11 @@ class Scheduler:
                     self._gpu_deadline.pop(gpu, None)
         wanted = self._wanted(gating, among)
         for t in among:
+            if t.state is S.WAITING and t.retry_at > self._now:
+                for gpu in t.gpus or (_NO_GPU,):
+                    known = self._gpu_deadline.get(gpu)
+                    if known is None or t.retry_at < known:
+                        self._gpu_deadline[gpu] = t.retry_at
             if t.state not in (S.HOLDER, S.CORUNNING):
                 continue
             deadline = self._idle_at(t)

@@ -24,6 +24,8 @@ class Trigger(enum.StrEnum):
     IDLE_TIMEOUT = "no GPU work for idle_release seconds"
     GATING_STOPPED = "its GPUs stopped gating (mode off, or auto and it all fits)"
     GATING_STARTED = "its GPUs started gating (mode exclusive, or auto and it no longer fits)"
+    SWAPPED_OUT = "its memory went to host RAM to make room; it waits to come back"
+    SWAP_IN_FAILED = "its memory could not be brought back; it waits, the rotation goes on"
 
 
 S = TenantState
@@ -41,6 +43,9 @@ TRANSITIONS: dict[tuple[TenantState, Trigger], TenantState] = {
     (S.CORUNNING, T.IDLE_TIMEOUT): S.IDLE,
     (S.CORUNNING, T.GATING_STARTED): S.WAITING,
     (S.CORUNNING, T.GRANTED): S.HOLDER,
+    (S.IDLE, T.SWAPPED_OUT): S.WAITING,
+    (S.HOLDER, T.SWAP_IN_FAILED): S.WAITING,
+    (S.CORUNNING, T.SWAP_IN_FAILED): S.WAITING,
 }
 """(state, trigger) → next state. Nothing else is allowed."""
 

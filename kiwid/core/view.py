@@ -47,6 +47,10 @@ class TenantView:
     last_active: float | None
     footprint: Mapping[GpuId, int | None]
     ledger: LedgerView
+    resident: bool = True
+    """Whether its memory is on the GPU (``False``: swapped to host RAM)."""
+    peak: Mapping[GpuId, int] | None = None
+    """The most memory it was seen using, per GPU."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,13 @@ def test_unlisted_transitions_raise_and_name_the_state() -> None:
 
 
 def test_only_waiting_is_reached_by_gating_triggers() -> None:
-    gating = {Trigger.BURST_BUSY, Trigger.PREEMPTED, Trigger.GATING_STARTED}
+    gating = {
+        Trigger.BURST_BUSY,
+        Trigger.PREEMPTED,
+        Trigger.GATING_STARTED,
+        Trigger.SWAPPED_OUT,  # gated to be swapped out
+        Trigger.SWAP_IN_FAILED,  # never let go: its memory is still in host RAM
+    }
     for (_, trigger), target in TRANSITIONS.items():
         assert (target is TenantState.WAITING) == (trigger in gating)
 

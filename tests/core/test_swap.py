@@ -1,0 +1,224 @@
+"""The core's memory policy: who is swapped out, when, and in what order."""
+
+from __future__ import annotations
+
+from kiwid.core.clock import FakeClock
+from kiwid.core.events import (
+    Action,
+    ActivitySeen,
+    Event,
+    FootprintSeen,
+    Gate,
+    GpusConfigured,
+    SwapFinished,
+    SwapIn,
+    SwapOut,
+    TenantAttached,
+    TenantDetached,
+    TenantSwapped,
+    Tick,
+    Ungate,
+)
+from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
+from kiwid.core.scheduler import Scheduler
+
+GiB = 2**30
+S = TenantState
+
+
+class Card:
+    """One GPU of ``capacity_gib`` with swapping, a fake clock, and the actions seen."""
+
+    def __init__(self, swap: SwapMode, capacity_gib: float = 140.0, tq: float = 30.0) -> None:
+        self.clock = FakeClock(1000.0)
+        self.policy = GpuPolicy(
+            tq_s=tq,
+            idle_release_s=5,
+            capacity_bytes=int(capacity_gib * GiB),
+            reserve_bytes=1 * GiB,
+            swap=swap,
+        )
+        self.sched = Scheduler({"0": self.policy})
+
+    def do(self, event: Event) -> list[Action]:
+        return self.sched.handle(event, self.clock.now())
+
+    def join(self, name: str, gib: float) -> list[Action]:
+        """A tenant appears with ``gib`` of memory and starts a burst."""
+        self.do(TenantAttached(name, frozenset({"0"})))
+        self.do(FootprintSeen(name, "0", int(gib * GiB)))
+        return self.do(ActivitySeen(name))
+
+    def run(self, seconds: float) -> list[Action]:
+        """Let time pass with every ungated tenant busy; return the actions."""
+        out: list[Action] = []
+        end = self.clock.now() + seconds
+        while self.clock.now() < end:
+            deadline = self.sched.next_deadline()
+            step = min(1.0, end - self.clock.now())
+            if deadline is not None and deadline > self.clock.now():
+                step = min(step, deadline - self.clock.now())
+            self.clock.advance(step)
+            out += self.do(Tick())
+            for name in sorted(self.sched.tenant_ids()):
+                if self.sched.tenant_state(name) is not S.WAITING:
+                    out += self.do(ActivitySeen(name))
+        return out
+
+    def holder(self) -> str | None:
+        view = self.sched.view(self.clock.now())
+        return view.gpus[0].holder
+
+    def resident(self) -> set[str]:
+        return {t for t in self.sched.tenant_ids() if self.sched.resident(t)}
+
+
+def test_checkpoint_rotation_of_three_tenants_that_do_not_fit_together() -> None:
+    card = Card(SwapMode.CHECKPOINT)
+    assert card.join("a", 47.5) == []  # alone: holds at once, nothing moves
+    # Newcomers queue; with "checkpoint" every waiter's memory goes to host RAM.
+    assert card.join("b", 47.5) == [Gate("b"), SwapOut("b")]
+    assert card.join("c", 47.5) == [Gate("c"), SwapOut("c")]
+    assert card.resident() == {"a"}
+    # b's first turn: its footprint is unknown, so it gets the whole card, and
+    # a's memory goes out BEFORE b comes back.
+    assert card.run(30) == [Gate("a"), SwapOut("a"), SwapIn("b"), Ungate("b")]
+    assert card.holder() == "b"
+    assert card.resident() == {"b"}
+    assert card.run(30) == [Gate("b"), SwapOut("b"), SwapIn("c"), Ungate("c")]
+    # a is known now (47.5 GiB) and fits beside c: restore a, let it run, THEN
+    # checkpoint c, so that a never waits for c's checkpoint.
+    assert card.run(30) == [Gate("c"), SwapIn("a"), Ungate("a"), SwapOut("c")]
+    assert card.run(30) == [Gate("a"), SwapIn("b"), Ungate("b"), SwapOut("a")]
+    assert card.resident() == {"b"}
+
+
+def test_auto_swaps_only_what_the_next_tenant_needs() -> None:
+    card = Card(SwapMode.AUTO, capacity_gib=80)
+    card.join("a", 30)
+    assert card.join("b", 30) == [Gate("b")]  # queued, its memory stays
+    # b's first turn needs the whole card: a goes out first.
+    assert card.run(30) == [Gate("a"), SwapOut("a"), Ungate("b")]
+    # a (30 GiB, known) fits beside b: it comes back, b stays on the card.
+    assert card.run(30) == [Gate("b"), SwapIn("a"), Ungate("a")]
+    # From now on both are resident and hand-overs move no memory.
+    assert card.run(30) == [Gate("a"), Ungate("b")]
+    assert card.run(30) == [Gate("b"), Ungate("a")]
+    assert card.resident() == {"a", "b"}
+
+
+def test_victims_are_the_least_recently_run() -> None:
+    card = Card(SwapMode.AUTO, capacity_gib=101)  # room: 100 GiB
+    for name in ("x", "y", "z"):
+        card.join(name, 30)
+    card.run(30 * 6)  # everyone's first turn (each evicting the others), then a round
+    assert card.resident() == {"x", "y", "z"}  # 90 GiB: they all fit
+    assert card.holder() == "x"
+    # A tenant known to need 40 GiB, found in host RAM at start, queues last.
+    card.do(TenantAttached("w", frozenset({"0"})))
+    assert card.do(TenantSwapped("w", {"0": 40 * GiB})) == []
+    assert card.run(30) == [Gate("x"), Ungate("y")]  # 90 GiB resident: nothing moves
+    assert card.run(30) == [Gate("y"), Ungate("z")]
+    # w's turn: 30 GiB must go. x ran longest ago (before y and z).
+    assert card.run(30) == [Gate("z"), SwapOut("x"), SwapIn("w"), Ungate("w")]
+    # x's turn: y is now the least recently run.
+    assert card.run(30) == [Gate("w"), SwapOut("y"), SwapIn("x"), Ungate("x")]
+    assert card.resident() == {"w", "x", "z"}
+
+
+def test_failed_swap_in_sends_the_tenant_back_and_the_rotation_goes_on() -> None:
+    card = Card(SwapMode.CHECKPOINT)
+    card.join("a", 40)
+    card.join("b", 40)
+    card.join("c", 40)
+    handover = card.run(30)
+    assert handover[-2:] == [SwapIn("b"), Ungate("b")]
+    # The shell could not restore b (say, the card's memory was taken meanwhile).
+    out = card.do(SwapFinished("b", "in", ok=False))
+    # b is gated again (it never ran) and c gets the turn at once.
+    assert card.sched.tenant_state("b") is S.WAITING
+    assert card.holder() == "c"
+    assert card.sched.resident("b") is False
+    assert SwapIn("c") in out and Ungate("c") in out
+    assert card.sched.ledger("b", card.clock.now()).swapped_in_bytes == 0  # type: ignore[union-attr]
+    # b skips one quantum, then is tried again.
+    later = card.run(30)
+    assert SwapIn("a") in later  # a was ahead of b after b went to the back
+    again = card.run(30)
+    assert SwapIn("b") in again
+
+
+def test_failed_swap_out_keeps_the_memory_and_the_tenant_is_not_chosen_again() -> None:
+    card = Card(SwapMode.AUTO, capacity_gib=80)
+    card.join("a", 30)
+    card.join("b", 30)
+    out = card.run(30)
+    assert out == [Gate("a"), SwapOut("a"), Ungate("b")]
+    card.do(SwapFinished("a", "out", ok=False))
+    assert card.sched.resident("a") is True
+    assert card.sched.tenant_state("a") is S.WAITING  # still gated, memory intact
+
+
+def test_swap_results_add_up_in_the_ledger() -> None:
+    card = Card(SwapMode.CHECKPOINT)
+    card.join("a", 10)
+    card.join("b", 10)
+    card.do(SwapFinished("b", "out", ok=True, moved_bytes=10 * GiB, seconds=4.5))
+    card.run(30)
+    card.do(SwapFinished("b", "in", ok=True, moved_bytes=10 * GiB, seconds=2.0))
+    ledger = card.sched.ledger("b", card.clock.now())
+    assert ledger is not None
+    assert (ledger.swapped_out_bytes, ledger.swapped_in_bytes) == (10 * GiB, 10 * GiB)
+    assert ledger.swap_s == 6.5
+
+
+def test_a_swapped_tenant_that_exits_is_simply_dropped() -> None:
+    card = Card(SwapMode.CHECKPOINT)
+    card.join("a", 40)
+    card.join("b", 40)
+    assert card.do(TenantDetached("b")) == []
+    assert card.run(60) == []  # a keeps the GPU: nobody waits any more
+    assert card.holder() == "a"
+
+
+def test_a_waiter_in_host_ram_comes_back_before_it_is_let_go_when_gating_stops() -> None:
+    card = Card(SwapMode.CHECKPOINT)
+    card.join("a", 40)
+    card.join("b", 40)
+    off = GpuPolicy(
+        tq_s=30, mode=Mode.OFF, capacity_bytes=140 * GiB, reserve_bytes=GiB, swap=SwapMode.NONE
+    )
+    assert card.do(GpusConfigured({"0": off})) == [SwapIn("b"), Ungate("b")]
+    assert card.resident() == {"a", "b"}
+
+
+def test_without_swapping_nothing_moves() -> None:
+    card = Card(SwapMode.NONE)
+    card.join("a", 100)
+    assert card.join("b", 100) == [Gate("b")]
+    assert card.run(30) == [Gate("a"), Ungate("b")]
+
+
+def test_an_idle_resident_tenant_is_gated_before_its_memory_goes_out() -> None:
+    card = Card(SwapMode.AUTO, capacity_gib=80)
+    card.join("a", 30)
+    card.join("b", 30)
+    card.run(30)  # b's first turn: a swapped out
+    card.run(30)  # a back beside b
+    # b goes quiet (idle, resident, ungated); a newcomer needs the whole card.
+    card.do(TenantAttached("n", frozenset({"0"})))
+    card.do(FootprintSeen("n", "0", 5 * GiB))
+    card.clock.advance(1)
+    assert card.do(ActivitySeen("n")) == [Gate("n")]
+    out: list[Action] = []
+    end = card.clock.now() + 40
+    while card.clock.now() < end:  # only a and n keep busy
+        card.clock.advance(1)
+        out += card.do(Tick())
+        for name in ("a", "n"):
+            if card.sched.tenant_state(name) is not S.WAITING:
+                out += card.do(ActivitySeen(name))
+    assert card.sched.tenant_state("b") is S.WAITING
+    i = out.index(Gate("b"))
+    assert out[i + 1] == SwapOut("b")
+    assert out.index(SwapOut("b")) < out.index(Ungate("n"))

@@ -210,10 +210,23 @@ def stale_cgroups(layout: Layout) -> list[Cgroup]:
 
 
 class Worker:
-    """One ``worker.py`` process in its own cgroup, spawned blocked on a pipe."""
+    """One ``worker.py`` process (or ``script``) in its own cgroup, spawned blocked on a pipe.
+
+    ``script`` takes ``--out --seconds --go-fd --parent --gap-ms [--dry-run]`` and
+    ``extra_args``; ``swap.py`` runs ``swap_worker.py`` this way.
+    """
 
     def __init__(
-        self, index: int, layout: Layout, outdir: Path, seconds: float, *, dry_run: bool
+        self,
+        index: int,
+        layout: Layout,
+        outdir: Path,
+        seconds: float,
+        *,
+        dry_run: bool,
+        script: Path = WORKER,
+        gap_s: float = GAP_S,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.index = index
         self.label = f"w{index}"
@@ -222,7 +235,7 @@ class Worker:
         self.errfile = outdir / f"worker-{index}.err"
         self.cgroup.create()
         read_end, self._go = os.pipe()
-        argv = [sys.executable, str(WORKER), "--out", str(self.progress)]
+        argv = [sys.executable, str(script), "--out", str(self.progress)]
         argv += [
             "--seconds",
             f"{seconds:g}",
@@ -231,7 +244,7 @@ class Worker:
             "--parent",
             str(os.getpid()),
         ]
-        argv += ["--gap-ms", f"{GAP_S * 1e3:g}"]
+        argv += ["--gap-ms", f"{gap_s * 1e3:g}", *extra_args]
         if dry_run:
             argv.append("--dry-run")
         env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", PYTHONUNBUFFERED="1")
@@ -288,6 +301,22 @@ class Worker:
                     )
                 self._buf += chunk
 
+    def poll_lines(self) -> list[str]:
+        """The stdout lines the worker wrote so far, without blocking; [] at end of file."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        with contextlib.suppress(OSError, ValueError):
+            while select.select([fd], [], [], 0)[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                self._buf += chunk
+        lines = []
+        while b"\n" in self._buf:
+            line, _, self._buf = self._buf.partition(b"\n")
+            lines.append(line.decode(errors="replace").strip())
+        return lines
+
     def err_tail(self) -> str:
         try:
             text = self.errfile.read_text(errors="replace").strip().splitlines()[-8:]
@@ -295,12 +324,20 @@ class Worker:
             return ""
         return (":\n    " + "\n    ".join(text)) if text else ""
 
-    def kill(self) -> None:
-        """Thaw, SIGTERM, then SIGKILL; reap."""
+    def kill(self, *, hard: bool = False, wait_s: float = 5.0) -> None:
+        """Thaw, SIGTERM, then SIGKILL (``hard``: SIGKILL at once); reap within ``wait_s``."""
+        if hard and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
         self.cgroup.thaw()
-        with contextlib.suppress(OSError):
-            os.close(self._go)
-        if self.proc.poll() is None:
+        if self._go >= 0:  # once: a second close could hit a reused descriptor
+            with contextlib.suppress(OSError):
+                os.close(self._go)
+            self._go = -1
+        if hard:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(wait_s)
+        elif self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.terminate()
             try:
@@ -308,7 +345,7 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(5)
+                    self.proc.wait(wait_s)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 

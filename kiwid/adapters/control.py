@@ -47,7 +47,8 @@ _ARGS: dict[str, dict[str, str]] = {
     "sim-attach": {"pid": "integer", "gpu": "integer", "memory_bytes": "integer"}
     | {"activity": "string"},
     "sim-detach": {"pid": "integer"},
-    # From kiwi-hook (OCI createRuntime / poststop): a container and its names.
+    # From kiwi-hook (OCI createRuntime / poststop): a container, its names and, on
+    # Kubernetes, the device plugin's device IDs it was given.
     "register": {
         "id": "string",
         "cgroup_v2": "string-or-null?",
@@ -58,6 +59,7 @@ _ARGS: dict[str, dict[str, str]] = {
         "namespace": "string-or-null?",
         "gpus": "strings?",
         "hold": "boolean?",
+        "device_ids": "strings?",
     },
     "unregister": {"id": "string"},
 }

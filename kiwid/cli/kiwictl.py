@@ -225,8 +225,18 @@ def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
         label = "  tenants  " if i == 0 else "           "
         pids = ",".join(str(p) for p in t.get("pids", [])) or "-"
         size = _bytes(t.get("footprint_bytes"))
-        lines.append(f"{label}{t['id']} ({t.get('name')}): {t.get('state')}, pids {pids}, {size}")
+        pod = _pod(t)
+        who = f"{t.get('name')}, pod {pod}" if pod else str(t.get("name"))
+        lines.append(f"{label}{t['id']} ({who}): {t.get('state')}, pids {pids}, {size}")
     return lines
+
+
+def _pod(tenant: dict[str, Any]) -> str:
+    """``namespace/pod`` (or the pod alone, e.g. a UID from a cgroup path); ``""`` if none."""
+    pod, namespace = tenant.get("pod"), tenant.get("namespace")
+    if not pod:
+        return ""
+    return f"{namespace}/{pod}" if namespace else str(pod)
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -266,16 +276,21 @@ def format_tenants(tenants: list[dict[str, Any]]) -> str:
         tenants: The ``tenants`` field of the daemon's answer.
 
     Returns:
-        A header and one row per tenant, or ``no tenants``.
+        A header and one row per tenant (with a ``POD`` column, ``namespace/pod``,
+        when any tenant has a pod), or ``no tenants``.
     """
     if not tenants:
         return "no tenants"
-    rows = [("TENANT", "NAME", "STATE", "GPUS", "FOOTPRINT", "PIDS")]
+    pods = any(_pod(t) for t in tenants)  # a POD column only where there are pods
+    rows = [("TENANT", "NAME", *(("POD",) if pods else ()), "STATE", "GPUS", "FOOTPRINT", "PIDS")]
     for t in tenants:
         gpus = ",".join(str(g) for g in t.get("gpus", [])) or "-"
         pids = ",".join(str(p) for p in t.get("pids", [])) or "-"
         size = _bytes(t.get("footprint_bytes"))
-        rows.append((str(t.get("id")), str(t.get("name")), str(t.get("state")), gpus, size, pids))
+        pod = ((_pod(t) or "-"),) if pods else ()
+        rows.append(
+            (str(t.get("id")), str(t.get("name")), *pod, str(t.get("state")), gpus, size, pids)
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()

@@ -164,6 +164,12 @@ _KUBERNETES_RULES = {
         'a list of GPU indices or UUIDs, e.g. ["0", "GPU-..."] ([] for all)',
         lambda v: all(isinstance(g, str) and g for g in v),
     ),
+    "pod_resources_socket": _Rule(
+        "pod_resources_socket",
+        str,
+        'an absolute path, or "" (no PodResources lookups)',
+        lambda v: v == "" or v.startswith("/"),
+    ),
 }
 _SECTIONS = ("scheduler", "gpu", "control", "daemon", "memory", "metrics", "kubernetes")
 

@@ -259,6 +259,11 @@ class KubernetesSettings:
     """GPUs (indices or UUIDs) the device plugin hands out; empty: all. Leave the
     others to NVIDIA's device plugin so the two never hand out the same GPU."""
 
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    """The kubelet's PodResources API socket (absolute path), or ``""`` for none.
+    kiwid asks it for the pod and container of a registered container that carries
+    the device plugin's device IDs but no names in its annotations."""
+
 
 @dataclass(frozen=True)
 class Settings:

@@ -51,6 +51,7 @@ def identify(pid: int) -> Identity | None:
         dedicated=tenant.dedicated,
         container_id=tenant.container_id,
         pod=tenant.pod_uid,
+        identity_source="cgroup" if tenant.pod_uid else None,
     )
 
 
@@ -96,4 +97,5 @@ def identity_of_container(
         container_id=container_id,
         pod=pod,
         namespace=namespace,
+        identity_source="annotations" if pod else None,
     )

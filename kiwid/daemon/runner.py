@@ -40,6 +40,7 @@ from kiwid.daemon.engine import Engine
 from kiwid.daemon.gates import GateError, TenantGate, ungate_record
 from kiwid.daemon.identify import identity_of_container
 from kiwid.daemon.logs import seconds, set_level
+from kiwid.daemon.pods import PodNames
 from kiwid.daemon.state import GatedRecord, StateError, StateFile
 from kiwid.daemon.status import build_status, summary_line, tenant_json
 from kiwid.daemon.tenants import GpuSample, Identity, Registration, TenantTracker
@@ -94,6 +95,7 @@ class Daemon:
         self._clock = clock
         self.state = StateFile(self.settings.daemon.state_dir)
         self.engine = Engine(Scheduler(), TenantTracker(identify), gate, self.state, clock)
+        self.pods = PodNames(self.engine.tracker, lambda: self.settings.kubernetes)
         self.devices: list[DeviceInfo] = []
         self.unhealthy: set[str] = set()
         self._loaded_at = time.time()
@@ -377,6 +379,7 @@ class Daemon:
             self._watcher.stop()
         if self._server is not None:
             await self._server.close()
+        await self.pods.close()
         if self._metrics is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._metrics.stop)
         timeout = 0.5 if self._force_exit else self.settings.daemon.shutdown_timeout
@@ -644,6 +647,8 @@ class Daemon:
         With ``kubernetes.admission = "hold"`` and ``hold`` asked for, it is
         queued as if in a burst: if its GPU is busy it is frozen now, before its
         first instruction, and starts at its turn (never killed by an OOM).
+        Without a pod name but with device IDs, its names are looked up in the
+        kubelet's PodResources API, off the loop (`PodNames`).
         """
         try:
             ident = identity_of_container(
@@ -663,6 +668,10 @@ class Daemon:
         self.engine.tracker.register(
             Registration(args["id"], ident, gpus, frozenset({pid}) if pid else frozenset())
         )
+        if ident.pod is None:
+            self.pods.want(ident.key, args.get("device_ids") or ())
+        else:
+            self.pods.forget(ident.key)
         await self.poll()
         hold = bool(args.get("hold", True)) and self.settings.kubernetes.admission == "hold"
         held = False
@@ -720,6 +729,7 @@ class Daemon:
         """A container is gone (OCI poststop): forget it, ungating what remains."""
         key = self.engine.tracker.unregister(args["id"])
         if key is not None:
+            self.pods.forget(key)
             await self.poll()
             log.info("Unregistered container %s (%s)", args["id"], key)
         return {"removed": key is not None}

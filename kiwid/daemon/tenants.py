@@ -29,6 +29,10 @@ class Identity:
     container_id: str | None = None
     pod: str | None = None
     namespace: str | None = None
+    identity_source: str | None = None
+    """Where ``pod`` came from: ``annotations`` (the runtime's, through kiwi-hook),
+    ``podresources`` (the kubelet's PodResources API, by device IDs) or ``cgroup``
+    (the pod UID in a ``kubepods`` cgroup path); ``None`` without a pod."""
 
 
 @dataclass
@@ -148,6 +152,21 @@ class TenantTracker:
                 self._registry_version += 1
                 return key
         return None
+
+    def update_identity(self, key: str, identity: Identity) -> bool:
+        """Give an announced container better names (found after it registered).
+
+        Returns:
+            Whether ``key`` is still announced (nothing changes otherwise).
+        """
+        reg = self.registered.get(key)
+        if reg is None:
+            return False
+        reg.identity = identity
+        info = self.tenants.get(key)
+        if info is not None:
+            info.identity = identity
+        return True
 
     def _lookup(self, pid: int) -> Identity | None:
         ident = self._by_pid.get(pid)

@@ -8,9 +8,11 @@ Kiwi's CDI spec (`kiwid.adapters.cdi`) makes the container engine run::
 with the container's OCI state JSON on stdin (``id``, ``pid``, ``bundle``,
 ``annotations``). ``create`` finds the container's cgroup, its names (pod,
 namespace and container from the Kubernetes runtimes' annotations, or podman's
-container store) and its GPUs (the ``KIWI_GPU_<index>`` variables Kiwi's CDI devices
-set, else ``NVIDIA_VISIBLE_DEVICES``), and sends kiwid ``register``; ``poststop``
-sends ``unregister``.
+container store), its GPUs (the ``KIWI_GPU_<index>`` variables Kiwi's CDI devices
+set, else ``NVIDIA_VISIBLE_DEVICES``) and, on Kubernetes, the device IDs Kiwi's
+device plugin gave it (annotation ``kiwi.io/device-ids``, else ``KIWI_DEVICE_IDS``;
+kiwid finds the pod by them when the annotations lack its names), and sends kiwid
+``register``; ``poststop`` sends ``unregister``.
 
 A hook must never hang or fail a container start, so:
 
@@ -54,6 +56,9 @@ MAX_TIMEOUT_S = 60.0
 EXIT_OK = 0
 EXIT_USAGE = 2
 GPU_ENV_PREFIX = "KIWI_GPU_"  # kiwid.adapters.cdi.GPU_ENV_PREFIX (adapters do not share)
+# Set by the device plugin (kiwid.adapters.deviceplugin.devices): the slots a container got.
+DEVICE_IDS_ANNOTATION = "kiwi.io/device-ids"
+DEVICE_IDS_ENV = "KIWI_DEVICE_IDS"
 _CREATE = frozenset({"create", "createRuntime", "prestart"})
 _POSTSTOP = frozenset({"poststop"})
 _MAX_STATE_BYTES = 1024 * 1024
@@ -91,6 +96,7 @@ class ContainerInfo:
         pod: Its pod's name (Kubernetes), if known.
         namespace: Its pod's namespace (Kubernetes), if known.
         gpus: The GPUs (UUIDs or indices) it was given; empty: unknown, i.e. all.
+        device_ids: The device plugin's slots the kubelet gave it (Kubernetes), if known.
     """
 
     id: str
@@ -101,6 +107,7 @@ class ContainerInfo:
     pod: str | None
     namespace: str | None
     gpus: tuple[str, ...]
+    device_ids: tuple[str, ...] = ()
 
     def register_args(self, hold: bool) -> dict[str, Any]:
         """The ``register`` command's arguments (docs/control-protocol.md).
@@ -109,9 +116,10 @@ class ContainerInfo:
             hold: Ask kiwid to start the container frozen if its GPU is busy.
 
         Returns:
-            The arguments.
+            The arguments; ``device_ids`` only when there are some, so that a kiwid
+            older than that argument still accepts containers outside Kubernetes.
         """
-        return {
+        args: dict[str, Any] = {
             "id": self.id,
             "cgroup_v2": self.cgroup_v2,
             "cgroup_v1_freezer": self.cgroup_v1_freezer,
@@ -122,6 +130,9 @@ class ContainerInfo:
             "gpus": list(self.gpus),
             "hold": hold,
         }
+        if self.device_ids:
+            args["device_ids"] = list(self.device_ids)
+        return args
 
 
 def parse_state(raw: bytes) -> dict[str, Any]:
@@ -194,6 +205,8 @@ def container_info(state: Mapping[str, Any], proc: Path = _PROC) -> ContainerInf
         pod=_first(annotations, _POD_KEYS),
         namespace=_first(annotations, _NAMESPACE_KEYS),
         gpus=_gpus_from_env(config),
+        device_ids=_device_ids(annotations.get(DEVICE_IDS_ANNOTATION))
+        or _device_ids(_env(config).get(DEVICE_IDS_ENV)),
     )
 
 
@@ -280,13 +293,25 @@ def _podman_name(bundle: Path, cid: str) -> str | None:
     return None
 
 
-def _gpus_from_env(config: Mapping[str, Any]) -> tuple[str, ...]:
-    """The GPUs a container was given, from its environment in ``config.json``."""
+def _env(config: Mapping[str, Any]) -> dict[str, str]:
+    """A container's environment, from ``process.env`` in ``config.json``."""
     process = config.get("process")
     env = process.get("env") if isinstance(process, dict) else None
     if not isinstance(env, list):
+        return {}
+    return dict(item.partition("=")[::2] for item in env if isinstance(item, str))
+
+
+def _device_ids(value: str | None) -> tuple[str, ...]:
+    """The device IDs in a comma-separated list (empty items skipped)."""
+    return tuple(dict.fromkeys(d.strip() for d in (value or "").split(",") if d.strip()))
+
+
+def _gpus_from_env(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The GPUs a container was given, from its environment in ``config.json``."""
+    values = _env(config)
+    if not values:
         return ()
-    values = dict(item.partition("=")[::2] for item in env if isinstance(item, str))
     kiwi = sorted(
         (int(k.removeprefix(GPU_ENV_PREFIX)), v)
         for k, v in values.items()

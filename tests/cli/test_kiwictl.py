@@ -189,6 +189,30 @@ def test_tenants(kiwictl: Run) -> None:
     assert json.loads(out) == {"tenants": STATUS["gpus"][0]["tenants"]}
 
 
+def test_pods_are_shown_where_tenants_have_them() -> None:
+    pod = {
+        "id": "cgroup:/kubepods/pod1/c1",
+        "name": "train",
+        "pod": "train-7f9",
+        "namespace": "ml",
+        "identity_source": "podresources",
+        "state": "waiting",
+        "pids": [7],
+        "gpus": ["0"],
+        "footprint_bytes": 0,
+    }
+    bare = {"id": "pid:8", "name": "pid 8", "state": "idle", "pids": [8], "gpus": ["0"]}
+    gpu = {**STATUS["gpus"][0], "tenants": [pod, bare]}
+
+    text = format_status({**STATUS, "gpus": [gpu]})
+    assert "cgroup:/kubepods/pod1/c1 (train, pod ml/train-7f9): waiting, pids 7" in text
+    assert "pid:8 (pid 8): idle, pids 8" in text
+    lines = format_tenants([pod, bare]).splitlines()
+    assert lines[0].split() == ["TENANT", "NAME", "POD", "STATE", "GPUS", "FOOTPRINT", "PIDS"]
+    assert lines[1].split()[:4] == ["cgroup:/kubepods/pod1/c1", "train", "ml/train-7f9", "waiting"]
+    assert lines[2].split()[:5] == ["pid:8", "pid", "8", "-", "idle"]
+
+
 def test_socket_from_environment_or_after_the_command(
     kiwictl: Run, server: ServerThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:

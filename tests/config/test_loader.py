@@ -52,6 +52,7 @@ KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
         "/tmp/dp",
     ),
     ("kubernetes", "gpus"): ("kubernetes", "gpus", '["2", "GPU-x"]', ("2", "GPU-x")),
+    ("kubernetes", "pod_resources_socket"): ("kubernetes", "pod_resources_socket", '""', ""),
 }
 KEYS_GROUPS = [f.name for f in dataclasses.fields(Settings)]
 
@@ -345,6 +346,11 @@ def test_metrics_listen_is_host_and_port(listen: str, ok: bool) -> None:
         assert parse_config(text).settings.metrics.listen == listen
     else:
         assert "metrics.listen" in errors(text)[0]
+
+
+def test_the_pod_resources_socket_is_an_absolute_path_or_nothing() -> None:
+    problem = errors('kubernetes.pod_resources_socket = "kubelet.sock"')[0]
+    assert 'kubernetes.pod_resources_socket = "kubelet.sock": must be an absolute path' in problem
 
 
 def test_kubernetes_gpus_must_be_a_list_of_names() -> None:

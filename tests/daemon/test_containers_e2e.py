@@ -25,6 +25,7 @@ import pytest
 from kiwid.adapters import cdi
 from kiwid.adapters.gpu import DeviceInfo
 from tests.daemon.conftest import V1_FREEZER, V2_ROOT, Kiwid, Tenant, config_text, wait_for
+from tests.fake_podresources import FakePodResources, pod
 
 pytestmark = pytest.mark.slow
 
@@ -120,6 +121,7 @@ def make_bundle(
     k: Kiwid,
     cgroup: str,
     annotations: dict[str, str] | None = None,
+    env: list[str] | None = None,
 ) -> Path:
     """An OCI bundle (``runc spec``, edited) whose hooks run kiwi-hook against ``k``."""
     bundle = workdir / "bundle"
@@ -130,6 +132,7 @@ def make_bundle(
     config["process"]["terminal"] = False
     config["process"]["args"] = ["sleep", "300"]
     config["process"]["env"].append(f"KIWI_GPU_0={GPU0.uuid}")  # as Kiwi's CDI device sets
+    config["process"]["env"] += env or []
     config["linux"]["cgroupsPath"] = cgroup
     config["annotations"] = annotations or {}
     sock = str(k.socket)
@@ -191,6 +194,45 @@ def test_a_runc_container_is_a_tenant_from_create_runtime_to_poststop(
         subprocess.run(
             [*runc_cmd, "delete", "--force", cid], capture_output=True, timeout=60, check=False
         )
+
+
+def test_a_runc_container_without_names_gets_them_from_the_kubelet_by_its_device_ids(
+    start_kiwid: Callable[..., Kiwid],
+    workdir: Path,
+    rootfs: Path,
+    hook_path: str,
+    test_cgroup: str,
+) -> None:
+    runc = need("runc", "runc")
+    slot = f"{GPU0.uuid}::2"
+    kubelet = FakePodResources(workdir / "pod-resources.sock")
+    kubelet.pods = [pod("ml", "train-7f9", {"train": {"kiwi.io/gpu": [slot]}})]
+    kubelet.start()
+    config = config_text(workdir, poll=0.05) + f'pod_resources_socket = "{kubelet.path}"\n'
+    (workdir / "kiwi.toml").write_text(config)
+    k = start_kiwid()
+    # As containerd runs it: the device plugin's variable, no name annotations.
+    bundle = make_bundle(
+        runc, workdir, rootfs, hook_path, k, f"/{test_cgroup}/c", env=[f"KIWI_DEVICE_IDS={slot}"]
+    )
+    runc_cmd = [runc, "--root", str(workdir / "runc-state")]
+    cid = f"{test_cgroup}-c"
+    try:
+        log = workdir / "runc.log"
+        assert runc_run_detached(runc_cmd, bundle, cid, log).wait(60) == 0, log.read_text()
+
+        assert kubelet.next_call() == "List"
+        key = f"cgroup:/{test_cgroup}/c"
+        entry = wait_for(
+            lambda: (t := tenant(k, key)) and t["pod"] and t, 10, "the container's pod name"
+        )
+        assert (entry["name"], entry["pod"], entry["namespace"]) == ("train", "train-7f9", "ml")
+        assert entry["identity_source"] == "podresources"
+    finally:
+        subprocess.run(
+            [*runc_cmd, "delete", "--force", cid], capture_output=True, timeout=60, check=False
+        )
+        kubelet.stop()
 
 
 def _kiwi_specs_elsewhere(own: str) -> list[str]:

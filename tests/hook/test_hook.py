@@ -203,6 +203,25 @@ def test_container_info_with_cri_o_annotations_and_nvidia_env(tmp_path: Path) ->
     assert (info.cgroup_v2, info.cgroup_v1_freezer) == (None, None)
 
 
+def test_device_ids_from_the_device_plugin_annotation_else_its_variable(tmp_path: Path) -> None:
+    ids = "GPU-a::1, GPU-b::0,,GPU-a::1"
+    bundle = make_bundle(tmp_path, env=["KIWI_GPU_0=GPU-a", "KIWI_DEVICE_IDS=GPU-z::9"])
+    state = {"id": CID, "bundle": str(bundle), "annotations": {"kiwi.io/device-ids": ids}}
+
+    info = container_info(state, proc=tmp_path / "no-proc")
+
+    assert info.device_ids == ("GPU-a::1", "GPU-b::0")
+    assert info.register_args(hold=False)["device_ids"] == ["GPU-a::1", "GPU-b::0"]
+    # containerd passes no such annotation into the OCI state: the variable does it.
+    state["annotations"] = {}
+    assert container_info(state, proc=tmp_path / "no-proc").device_ids == ("GPU-z::9",)
+    # Outside Kubernetes there are none, and register does not mention them.
+    bundle = make_bundle(tmp_path, env=["KIWI_GPU_0=GPU-a"])
+    info = container_info(state, proc=tmp_path / "no-proc")
+    assert info.device_ids == ()
+    assert "device_ids" not in info.register_args(hold=False)
+
+
 @pytest.mark.parametrize(
     ("cgroups_path", "expected"),
     [

@@ -458,7 +458,7 @@ class Kiwid:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        with open(self.logfile, "w") as out:
+        with open(self.logfile, "w", buffering=1) as out:  # line by line: kept if we die
             for raw in self.proc.stdout:
                 now = time.monotonic()
                 line = raw.rstrip("\n")

@@ -563,7 +563,7 @@ def config_text(
     backend: str,
     gate: str | None,
     swap: str = "checkpoint",
-    host_floor_mib: int = 8192,
+    host_floor_mib: int = 4096,
     sim_gib: float = 140.0,
     sim_gbps: tuple[float, float] = (25.0, 50.0),
 ) -> str:
@@ -1191,7 +1191,7 @@ def main() -> int:
     parser.add_argument(
         "--force-after", type=float, default=120.0, help="release the next tenant anyway after"
     )
-    parser.add_argument("--host-floor-mib", type=int, default=8192, help="kiwid's host RAM floor")
+    parser.add_argument("--host-floor-mib", type=int, default=4096, help="kiwid's host RAM floor")
     parser.add_argument(
         "--sim-gbps",
         default="2.2,5.5",

@@ -69,6 +69,17 @@ class SwapFinished:
 
 
 @dataclass(frozen=True)
+class Ungated:
+    """The shell carried out an :class:`Ungate`: the tenant runs from now.
+
+    A grant that moves memory takes seconds to carry out; its holder's quantum
+    and idle time count from this event, not from the grant.
+    """
+
+    tenant: TenantId
+
+
+@dataclass(frozen=True)
 class TenantSwapped:
     """A known tenant's memory is in host RAM (found at start in the state file).
 
@@ -91,6 +102,7 @@ Event = (
     | ActivitySeen
     | FootprintSeen
     | SwapFinished
+    | Ungated
     | TenantSwapped
     | Tick
 )

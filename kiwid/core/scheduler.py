@@ -52,6 +52,7 @@ from kiwid.core.events import (
     TenantSwapped,
     Tick,
     Ungate,
+    Ungated,
 )
 from kiwid.core.ledger import Ledger, LedgerView
 from kiwid.core.model import GpuId, GpuPolicy, Mode, SwapMode, TenantId, TenantState
@@ -98,6 +99,8 @@ class _Tenant:
     """After a failed swap-in: not granted again before this time."""
     swappable: bool = True
     """``False`` after a failed swap-out, until it runs again."""
+    starting: bool = False
+    """Granted, but its memory is still moving: its quantum starts at ``Ungated``."""
 
     @property
     def bursting(self) -> bool:
@@ -195,6 +198,14 @@ class Scheduler:
                         scope = {gpu}
             case SwapFinished():
                 scope = self._swap_finished(event, now)
+            case Ungated(tenant=tid):
+                tenant = self._tenants.get(tid)
+                if tenant is not None and tenant.starting:
+                    tenant.starting = False
+                    if tenant.state is S.HOLDER:
+                        tenant.granted_at = now
+                        tenant.last_active = now
+                    scope = set(tenant.gpus)
             case TenantSwapped(tenant=tid, footprint=footprint):
                 tenant = self._tenants.get(tid)
                 if tenant is not None:
@@ -413,6 +424,8 @@ class Scheduler:
         ``wanted`` are the gated GPUs that waiters want (computed if not given).
         """
         assert holder.granted_at is not None
+        if holder.starting:
+            return None  # its quantum has not begun
         if wanted is None:
             wanted = self._wanted(gating, self._closure(set(holder.gpus)))
         contested = holder.gpus & gating & wanted
@@ -429,6 +442,8 @@ class Scheduler:
 
     def _idle_at(self, tenant: _Tenant) -> float:
         """When a holder or co-runner without further activity goes idle."""
+        if tenant.starting:
+            return math.inf  # not let go yet: it cannot have shown activity
         start = max(t for t in (tenant.granted_at, tenant.last_active) if t is not None)
         return start + self._policy_of(tenant).idle_release_s
 
@@ -486,10 +501,12 @@ class Scheduler:
                     self._set_state(t, Trigger.GATING_STARTED, now)
                     actions.append(Gate(t.id))
             else:
+                planned = len(actions)
                 self._make_room(t, gating, now, actions)
                 if not t.resident:
                     actions.append(SwapIn(t.id))
                     t.resident = True
+                t.starting = len(actions) > planned and t.state is S.WAITING
                 if t.state is S.WAITING:
                     actions.append(Ungate(t.id))
                 self._set_state(t, Trigger.GRANTED, now)
@@ -568,6 +585,7 @@ class Scheduler:
             tenant.swappable = False
             return set(tenant.gpus)
         tenant.resident = False
+        tenant.starting = False
         if tenant.state in (S.HOLDER, S.CORUNNING):
             self._set_state(tenant, Trigger.SWAP_IN_FAILED, now)
             tenant.granted_at = None
@@ -601,6 +619,8 @@ class Scheduler:
                 preempt = self._preempt_at(t, gating, wanted)
                 if preempt is not None:
                     deadline = min(deadline, preempt)
+            if deadline == math.inf:  # a holder not let go yet: nothing to time
+                continue
             for gpu in t.gpus or (_NO_GPU,):
                 known = self._gpu_deadline.get(gpu)
                 if known is None or deadline < known:

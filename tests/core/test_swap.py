@@ -18,6 +18,7 @@ from kiwid.core.events import (
     TenantSwapped,
     Tick,
     Ungate,
+    Ungated,
 )
 from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
 from kiwid.core.scheduler import Scheduler
@@ -41,7 +42,12 @@ class Card:
         self.sched = Scheduler({"0": self.policy})
 
     def do(self, event: Event) -> list[Action]:
-        return self.sched.handle(event, self.clock.now())
+        """Handle ``event``; like the shell, say when each Ungate was carried out."""
+        out = self.sched.handle(event, self.clock.now())
+        for action in list(out):
+            if isinstance(action, Ungate):
+                out += self.sched.handle(Ungated(action.tenant), self.clock.now())
+        return out
 
     def join(self, name: str, gib: float) -> list[Action]:
         """A tenant appears with ``gib`` of memory and starts a burst."""
@@ -222,3 +228,31 @@ def test_an_idle_resident_tenant_is_gated_before_its_memory_goes_out() -> None:
     i = out.index(Gate("b"))
     assert out[i + 1] == SwapOut("b")
     assert out.index(SwapOut("b")) < out.index(Ungate("n"))
+
+
+def test_a_holder_whose_memory_is_moving_starts_its_quantum_when_let_go() -> None:
+    card = Card(SwapMode.CHECKPOINT)
+    card.join("a", 40)
+    card.join("b", 40)
+    card.clock.advance(30)
+    out = card.sched.handle(Tick(), card.clock.now())  # no Ungated: still swapping
+    assert out == [Gate("a"), SwapOut("a"), SwapIn("b"), Ungate("b")]
+    for _ in range(20):  # 20 s of swapping: b shows no activity, yet is not released
+        card.clock.advance(1)
+        assert card.sched.handle(Tick(), card.clock.now()) == []
+        card.sched.handle(ActivitySeen("a"), card.clock.now())  # gated: ignored
+    assert card.holder() == "b"
+    assert card.sched.next_deadline() is None  # nothing to time until it runs
+    card.sched.handle(Ungated("b"), card.clock.now())
+    deadline = card.sched.next_deadline()
+    assert deadline is not None
+    # Its first idle window and its quantum count from now.
+    assert deadline == card.clock.now() + card.policy.idle_release_s
+    let_go = card.clock.now()
+    out = []
+    while card.holder() == "b":  # b busy all along; a waits
+        card.clock.advance(1)
+        card.sched.handle(ActivitySeen("b"), card.clock.now())
+        out = card.sched.handle(Tick(), card.clock.now())
+    assert card.clock.now() - let_go == card.policy.tq_s  # a full quantum of running
+    assert out[:2] == [Gate("b"), SwapIn("a")]

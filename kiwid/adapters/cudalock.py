@@ -18,7 +18,14 @@ The C declarations used (``cuda.h``)::
     CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args);
     CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args);
     CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state);
+    CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args);
+    CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args);
     CUresult cuGetErrorName(CUresult error, const char **name);
+
+Checkpoint copies a LOCKED process's whole device memory to host RAM and frees
+the GPU (the process then vanishes from NVML's process list); restore brings it
+back, leaving the process LOCKED. Both are optional: a driver with the lock but
+without them can gate but not swap (:attr:`CudaLock.can_swap`).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ _SYMBOLS = (
 _NAMES = {
     0: "CUDA_SUCCESS",
     1: "CUDA_ERROR_INVALID_VALUE",
+    2: "CUDA_ERROR_OUT_OF_MEMORY",
     3: "CUDA_ERROR_NOT_INITIALIZED",
     4: "CUDA_ERROR_DEINITIALIZED",
     100: "CUDA_ERROR_NO_DEVICE",
@@ -119,6 +127,13 @@ class _UnlockArgs(ctypes.Structure):
     _fields_ = (("reserved", ctypes.c_uint64 * 8),)
 
 
+class _CheckpointArgs(ctypes.Structure):  # also the restore's: all reserved, zeroed
+    _fields_ = (("reserved", ctypes.c_uint64 * 8),)
+
+
+_SWAP_SYMBOLS = ("cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore")
+
+
 def _error_name(lib: ctypes.CDLL, code: int) -> str:
     name = ctypes.c_char_p()
     get_name = getattr(lib, "cuGetErrorName", None)
@@ -160,6 +175,8 @@ class CudaLock:
         self._lib = _load(library)
         self._init_lock = threading.Lock()
         self._initialised = False
+        self.can_swap = all(hasattr(self._lib, symbol) for symbol in _SWAP_SYMBOLS)
+        """Whether the driver can also checkpoint and restore (swap memory out)."""
 
     def init(self) -> None:
         """Call ``cuInit(0)`` unless done already; the other methods do it themselves.
@@ -208,6 +225,29 @@ class CudaLock:
         """
         args = _UnlockArgs()
         self._call("cuCheckpointProcessUnlock", ctypes.c_int(pid), ctypes.byref(args))
+
+    def checkpoint(self, pid: int) -> None:
+        """Copy the device memory of a LOCKED ``pid`` to host RAM and free the GPU.
+
+        Raises:
+            CudaLockError: The driver refused (not LOCKED, no host memory...), or
+                cannot checkpoint at all (``CUDA_LOCK_UNAVAILABLE``).
+        """
+        self._swap_call("cuCheckpointProcessCheckpoint", pid)
+
+    def restore(self, pid: int) -> None:
+        """Bring a CHECKPOINTED ``pid``'s memory back to the GPU; it stays LOCKED.
+
+        Raises:
+            CudaLockError: The driver refused (e.g. out of device memory).
+        """
+        self._swap_call("cuCheckpointProcessRestore", pid)
+
+    def _swap_call(self, function: str, pid: int) -> None:
+        if not self.can_swap:
+            raise CudaLockUnavailable(f"this driver lacks {function}")
+        args = _CheckpointArgs()
+        self._call(function, ctypes.c_int(pid), ctypes.byref(args))
 
     def state(self, pid: int) -> ProcessState:
         """Return the checkpoint state of ``pid``.

@@ -70,6 +70,25 @@ int cuGetErrorName(int error, const char **name) {
     return 1;
 }
 #endif
+#ifndef NO_SWAP
+static int restore_error;
+int cuCheckpointProcessCheckpoint(int pid, UnlockArgs *a) {
+    if (!inited) return 3;
+    if (a == NULL || bad_args(a->reserved, 8)) return 1;
+    if (state != 1) return 401;
+    state = 2;
+    return 0;
+}
+int cuCheckpointProcessRestore(int pid, UnlockArgs *a) {
+    if (!inited) return 3;
+    if (a == NULL || bad_args(a->reserved, 8)) return 1;
+    if (state != 2) return 401;
+    if (restore_error) return restore_error;
+    state = 1;
+    return 0;
+}
+void stub_set_restore_error(int e) { restore_error = e; }
+#endif
 unsigned int stub_last_timeout(void) { return last_timeout; }
 """
 
@@ -87,6 +106,7 @@ def stubs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ("full", []),
         ("no_names", ["-DNO_NAMES"]),
         ("no_device", ["-DNO_DEVICE"]),
+        ("no_swap", ["-DNO_SWAP", "-DNO_NAMES"]),
     ):
         library = directory / f"libcuda-{variant}.so"
         subprocess.run(
@@ -127,6 +147,7 @@ def test_the_argument_structs_match_cuda_h() -> None:
     assert ctypes.sizeof(cudalock._LockArgs) == 64
     assert cudalock._LockArgs.reserved1.offset == 8
     assert ctypes.sizeof(cudalock._UnlockArgs) == 64
+    assert ctypes.sizeof(cudalock._CheckpointArgs) == 64
 
 
 def test_lock_state_unlock_through_the_c_abi(stubs: dict[str, Path]) -> None:
@@ -150,6 +171,35 @@ def test_lock_state_unlock_through_the_c_abi(stubs: dict[str, Path]) -> None:
         cuda.state(424242)
     with pytest.raises(ValueError, match="timeout_ms"):
         cuda.lock(1234, timeout_ms=-1)
+
+
+def test_checkpoint_and_restore_through_the_c_abi(stubs: dict[str, Path]) -> None:
+    cuda = CudaLock(str(stubs["full"]))
+    assert cuda.can_swap
+    with pytest.raises(CudaLockError, match="ILLEGAL_STATE"):
+        cuda.checkpoint(77)  # the driver checkpoints only a LOCKED process
+    cuda.lock(77, timeout_ms=100)
+    cuda.checkpoint(77)
+    assert cuda.state(77) is ProcessState.CHECKPOINTED
+    ctypes.CDLL(str(stubs["full"])).stub_set_restore_error(2)
+    with pytest.raises(CudaLockError) as caught:
+        cuda.restore(77)
+    assert caught.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert "cuCheckpointProcessRestore" in str(caught.value)
+    assert cuda.state(77) is ProcessState.CHECKPOINTED  # nothing lost: still in host RAM
+    ctypes.CDLL(str(stubs["full"])).stub_set_restore_error(0)
+    cuda.restore(77)
+    assert cuda.state(77) is ProcessState.LOCKED  # restore leaves it locked
+    cuda.unlock(77)
+    assert cuda.state(77) is ProcessState.RUNNING
+
+
+def test_a_driver_without_checkpoint_can_lock_but_not_swap(stubs: dict[str, Path]) -> None:
+    cuda = CudaLock(str(stubs["no_swap"]))
+    assert not cuda.can_swap
+    assert probe(str(stubs["no_swap"])).available  # the gate works all the same
+    with pytest.raises(CudaLockUnavailable, match="cuCheckpointProcessCheckpoint"):
+        cuda.checkpoint(77)
 
 
 def test_error_names_fall_back_to_a_table(stubs: dict[str, Path]) -> None:

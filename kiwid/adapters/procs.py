@@ -27,6 +27,7 @@ __all__ = [
     "ProcsError",
     "Tenant",
     "alive",
+    "available_host_memory",
     "cpu_seconds",
     "identify",
     "parse_proc_cgroup",
@@ -327,3 +328,8 @@ def alive(pid: int) -> bool:
         return False
     except psutil.AccessDenied:
         return True  # it exists; we just may not look at it
+
+
+def available_host_memory() -> int:
+    """Bytes of host RAM available to new allocations without swapping (MemAvailable)."""
+    return int(psutil.virtual_memory().available)

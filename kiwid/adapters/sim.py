@@ -12,6 +12,13 @@ simulated GPU with a memory footprint and an activity mode:
 * ``"idle"``: never bursting.
 
 A process that exits (or whose PID is reused) drops out automatically.
+
+Memory: each GPU has ``memory_bytes``; a process's footprint can be *swapped
+out* (:meth:`SimBackend.swap_out`), after which it is missing from
+:meth:`SimBackend.processes`, as a checkpointed process is missing from NVML's
+list, and :meth:`SimBackend.swap_in` brings it back only if it fits beside the
+resident processes (else :class:`SimOutOfMemory`, as the driver's restore
+fails). The time a swap takes is the caller's to simulate.
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kiwid.adapters.gpu import DeviceInfo, GpuBackendError, GpuLost, GpuProcess
 
-__all__ = ["ACTIVITIES", "SimAttachment", "SimBackend"]
+__all__ = ["ACTIVITIES", "SimAttachment", "SimBackend", "SimOutOfMemory", "swap_in_persisted"]
 
 GIB = 1024**3
 ACTIVITIES = frozenset({"cpu", "active", "idle"})
@@ -35,6 +43,10 @@ ACTIVITIES = frozenset({"cpu", "active", "idle"})
 
 _PROC = Path("/proc")
 _PENDING_FRESH_S = 0.05
+
+
+class SimOutOfMemory(Exception):
+    """A swap-in does not fit beside the resident processes of its simulated GPU."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,7 @@ class _Entry:
     # reused PID) reads ESRCH; schedstat is the cheap CPU-time reading of each poll.
     fd: int | None = None  # pidfd: readable once the process exits (zombies too)
     sched_fd: int | None = None
+    swapped: bool = False  # its memory is "in host RAM": not listed, not on the card
 
 
 class SimBackend:
@@ -248,8 +261,92 @@ class SimBackend:
             return [
                 GpuProcess(pid, entry.used_memory_bytes)
                 for (pid, i), entry in sorted(self._entries.items())
-                if i == index
+                if i == index and not entry.swapped
             ]
+
+    def swap_out(self, pids: Sequence[int]) -> dict[int, int]:
+        """Take the memory of ``pids`` off their simulated GPUs (to "host RAM").
+
+        Returns:
+            The bytes moved per GPU index (attached PIDs only; others are ignored).
+        """
+        moved: dict[int, int] = {}
+        with self._lock:
+            for (pid, index), entry in self._entries.items():
+                if pid in pids and not entry.swapped:
+                    entry.swapped = True
+                    moved[index] = moved.get(index, 0) + entry.used_memory_bytes
+            self._dirty = True
+            self._save()
+        return moved
+
+    def swap_in(self, pids: Sequence[int]) -> dict[int, int]:
+        """Bring the memory of ``pids`` back, all or nothing.
+
+        Returns:
+            The bytes moved per GPU index.
+
+        Raises:
+            SimOutOfMemory: It does not fit beside the resident processes.
+        """
+        with self._lock:
+            moved = self._check_swap_in(pids)
+            for (pid, _), entry in self._entries.items():
+                if pid in pids:
+                    entry.swapped = False
+            self._dirty = True
+            self._save()
+        return moved
+
+    def check_swap_in(self, pids: Sequence[int]) -> None:
+        """Raise :class:`SimOutOfMemory` if ``pids`` would not fit back now."""
+        with self._lock:
+            self._check_swap_in(pids)
+
+    def resident_of(self, pids: Sequence[int]) -> int:
+        """The bytes of ``pids`` on their simulated GPUs."""
+        with self._lock:
+            return sum(
+                e.used_memory_bytes
+                for (p, _), e in self._entries.items()
+                if p in pids and not e.swapped
+            )
+
+    def swapped_of(self, pids: Sequence[int]) -> int:
+        """The bytes of ``pids`` swapped out ("in host RAM")."""
+        with self._lock:
+            return sum(
+                e.used_memory_bytes
+                for (p, _), e in self._entries.items()
+                if p in pids and e.swapped
+            )
+
+    def _check_swap_in(self, pids: Sequence[int]) -> dict[int, int]:
+        moved: dict[int, int] = {}
+        for (pid, index), entry in self._entries.items():
+            if pid in pids and entry.swapped:
+                moved[index] = moved.get(index, 0) + entry.used_memory_bytes
+        for index, nbytes in moved.items():
+            resident = self._resident_bytes(index)
+            total = self._devices[index].memory_total_bytes
+            if resident + nbytes > total:
+                raise SimOutOfMemory(
+                    f"GPU {index}: {nbytes} bytes do not fit beside {resident} "
+                    f"resident bytes of {total}"
+                )
+        return moved
+
+    def resident_bytes(self, index: int) -> int:
+        """The memory of the processes on a simulated GPU that are not swapped out."""
+        with self._lock:
+            return self._resident_bytes(index)
+
+    def _resident_bytes(self, index: int) -> int:
+        return sum(
+            e.used_memory_bytes
+            for (_, i), e in self._entries.items()
+            if i == index and not e.swapped
+        )
 
     def active_pids(self, index: int, window_s: float) -> frozenset[int]:
         """Return the attached PIDs that are bursting on a simulated GPU.
@@ -276,7 +373,7 @@ class SimBackend:
             for (pid, i), entry in list(self._entries.items()):
                 if i != index:
                     continue
-                if entry.activity == "idle":
+                if entry.activity == "idle" or entry.swapped:
                     continue
                 pending, entry.pending = entry.pending, None
                 if pending is not None and time.monotonic() - pending[0] < _PENDING_FRESH_S:
@@ -334,10 +431,13 @@ class SimBackend:
         if self._persist is None or not self._dirty:
             return
         self._dirty = False
-        doc = [
-            [pid, index, e.used_memory_bytes, e.activity, e.start_ticks]
-            for (pid, index), e in sorted(self._entries.items())
-        ]
+        doc = {
+            "memory_bytes": [d.memory_total_bytes for d in self._devices],
+            "entries": [
+                [pid, index, e.used_memory_bytes, e.activity, e.start_ticks, e.swapped]
+                for (pid, index), e in sorted(self._entries.items())
+            ],
+        }
         tmp = self._persist.with_name(self._persist.name + ".tmp")
         try:
             self._persist.parent.mkdir(parents=True, exist_ok=True)
@@ -352,12 +452,14 @@ class SimBackend:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
             return
-        for item in doc if isinstance(doc, list) else ():
+        for item in _persisted_entries(doc):
             try:
-                pid, index, memory, activity, start_ticks = item
+                pid, index, memory, activity, start_ticks, *rest = item
                 stat = _read_stat(int(pid))
                 if stat is not None and stat[1] == start_ticks:
                     self.attach(int(pid), int(index), int(memory), str(activity))
+                    if rest and rest[0]:
+                        self._entries[(int(pid), int(index))].swapped = True
             except (TypeError, ValueError):
                 continue
 
@@ -378,6 +480,56 @@ class SimBackend:
                 self._drop(key)
             else:
                 entry.pending = (time.monotonic(), stat)
+
+
+def _persisted_entries(doc: object) -> list[Any]:
+    """The attachments of a persist file (a bare list in files of older versions)."""
+    if isinstance(doc, dict):
+        doc = doc.get("entries")
+    return doc if isinstance(doc, list) else []
+
+
+def swap_in_persisted(path: Path, pids: Sequence[int]) -> bool:
+    """Bring ``pids`` back in a persist file, without a running daemon (recover).
+
+    All or nothing, and only if they fit beside the live resident processes.
+
+    Returns:
+        Whether the file listed any of them as swapped out.
+
+    Raises:
+        SimOutOfMemory: they do not fit.
+    """
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    entries = _persisted_entries(doc)
+    sizes = doc.get("memory_bytes", []) if isinstance(doc, dict) else []
+    live = [
+        e
+        for e in entries
+        if isinstance(e, list)
+        and len(e) >= 6
+        and (stat := _read_stat(int(e[0])))
+        and stat[1] == e[4]
+    ]
+    coming = [e for e in live if e[0] in pids and e[5]]
+    for index in {int(e[1]) for e in coming}:
+        nbytes = sum(int(e[2]) for e in coming if e[1] == index)
+        resident = sum(int(e[2]) for e in live if e[1] == index and not e[5])
+        if index < len(sizes) and resident + nbytes > int(sizes[index]):
+            raise SimOutOfMemory(
+                f"GPU {index}: {nbytes} bytes do not fit beside {resident} resident bytes "
+                f"of {sizes[index]}"
+            )
+    for e in coming:
+        e[5] = False
+    if coming:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(path)
+    return bool(coming)
 
 
 def _check_activity(activity: str) -> None:

@@ -22,6 +22,7 @@ from kiwid.config.schema import (
     GATES,
     LOG_LEVELS,
     MODES,
+    SWAPS,
     ControlSettings,
     DaemonSettings,
     GpuOverride,
@@ -124,6 +125,8 @@ _GPU_RULES = {
 _SIM_RULES = {
     "devices": _within("sim_devices", int, "devices", 1, 64),
     "memory_gib": _above_zero("sim_memory_gib", "GiB"),
+    "swap_out_gbps": _above_zero("sim_swap_out_gbps", "GB/s"),
+    "swap_in_gbps": _above_zero("sim_swap_in_gbps", "GB/s"),
 }
 _CONTROL_RULES = {
     "socket": _abs_path("socket", _SOCKET_PATH_MAX_BYTES),
@@ -134,7 +137,11 @@ _DAEMON_RULES = {
     "shutdown_timeout": _above_zero("shutdown_timeout", "seconds"),
     "log_level": _choice("log_level", LOG_LEVELS),
 }
-_MEMORY_RULES = {"reserve_mib": _within("reserve_mib", int, "MiB", 0)}
+_MEMORY_RULES = {
+    "reserve_mib": _within("reserve_mib", int, "MiB", 0),
+    "swap": _choice("swap", SWAPS),
+    "host_floor_mib": _within("host_floor_mib", int, "MiB", 0),
+}
 _METRICS_RULES = {
     "listen": _Rule("listen", str, '"host:port" or "" (off)', lambda v: v == "" or _host_port(v)),
 }

@@ -21,6 +21,9 @@ BACKENDS = ("nvml", "sim")
 GATES = ("auto", "freeze", "cuda-lock")
 """Gate methods, see :attr:`GpuSettings.gate`."""
 
+SWAPS = ("none", "checkpoint", "auto")
+"""Memory swapping, see :attr:`MemorySettings.swap`."""
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 """Log levels, see :attr:`DaemonSettings.log_level`."""
 
@@ -180,6 +183,15 @@ class GpuSettings:
     """Memory of each simulated GPU in GiB (``[gpu.sim] memory_gib``). Default 80,
     an H100-class card. Must be > 0."""
 
+    sim_swap_out_gbps: float = 2.2
+    """How fast the simulated GPU swaps memory out to host RAM, GB/s (``[gpu.sim]
+    swap_out_gbps``): a swap-out of N bytes takes N / rate seconds. Default 2.2,
+    the driver's checkpoint as measured on an H200. Must be > 0."""
+
+    sim_swap_in_gbps: float = 5.5
+    """How fast the simulated GPU swaps memory back in, GB/s (``[gpu.sim]
+    swap_in_gbps``). Default 5.5, the driver's restore on an H200. Must be > 0."""
+
 
 @dataclass(frozen=True)
 class ControlSettings:
@@ -212,12 +224,26 @@ class DaemonSettings:
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """GPU memory accounting for mode ``"auto"`` (``[memory]``)."""
+    """GPU memory: fitting tenants together, swapping waiters out (``[memory]``)."""
 
     reserve_mib: int = 1024
-    """MiB kept free on each card when deciding in mode ``"auto"`` whether tenants
-    fit together. Default 1024, room for the CUDA context and allocator slack.
-    Must be >= 0."""
+    """MiB kept free on each card when deciding whether tenants fit together (mode
+    ``"auto"``, and before swapping a tenant in). Default 1024, room for the CUDA
+    context and allocator slack. Must be >= 0."""
+
+    swap: str = "none"
+    """What happens to a waiting tenant's GPU memory: ``"none"`` it stays on the card
+    (every working set must fit together); ``"checkpoint"`` every waiter's memory
+    goes to host RAM through the driver's checkpoint API, so working sets larger
+    than the card run in turn; ``"auto"`` memory goes to host RAM only when the
+    next tenant would not fit beside it. Swapping needs the CUDA lock gate
+    (``gpu.gate = "cuda-lock"``, or ``"auto"`` on driver r550+); without it kiwid
+    says so at start and swaps nothing. Default ``"none"``."""
+
+    host_floor_mib: int = 4096
+    """MiB of available host RAM that a swap-out must leave: one that would go below
+    is not done (the tenant stays gated with its memory on the card, and status says
+    why). Default 4096. Must be >= 0."""
 
 
 @dataclass(frozen=True)
@@ -282,7 +308,7 @@ class Settings:
     """``[daemon]``: state directory, shutdown and logging."""
 
     memory: MemorySettings = field(default_factory=MemorySettings)
-    """``[memory]``: memory reserve for mode ``"auto"``."""
+    """``[memory]``: memory reserve, swapping to host RAM and its floor."""
 
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     """``[metrics]``: the Prometheus endpoint (off by default)."""

@@ -34,12 +34,16 @@ KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
     ("gpu", "gate_timeout"): ("gpu", "gate_timeout", "0.5", 0.5),
     ("gpu.sim", "devices"): ("gpu", "sim_devices", "8", 8),
     ("gpu.sim", "memory_gib"): ("gpu", "sim_memory_gib", "141", 141.0),
+    ("gpu.sim", "swap_out_gbps"): ("gpu", "sim_swap_out_gbps", "3", 3.0),
+    ("gpu.sim", "swap_in_gbps"): ("gpu", "sim_swap_in_gbps", "7.5", 7.5),
     ("control", "socket"): ("control", "socket", '"/run/k.sock"', "/run/k.sock"),
     ("control", "admin_group"): ("control", "admin_group", '"gpu-admins"', "gpu-admins"),
     ("daemon", "state_dir"): ("daemon", "state_dir", '"/var/lib/kiwi"', "/var/lib/kiwi"),
     ("daemon", "shutdown_timeout"): ("daemon", "shutdown_timeout", "2.5", 2.5),
     ("daemon", "log_level"): ("daemon", "log_level", '"debug"', "debug"),
     ("memory", "reserve_mib"): ("memory", "reserve_mib", "0", 0),
+    ("memory", "swap"): ("memory", "swap", '"checkpoint"', "checkpoint"),
+    ("memory", "host_floor_mib"): ("memory", "host_floor_mib", "0", 0),
     ("metrics", "listen"): ("metrics", "listen", '"127.0.0.1:9417"', "127.0.0.1:9417"),
     ("kubernetes", "resource"): ("kubernetes", "resource", '"example.com/gpu"', "example.com/gpu"),
     ("kubernetes", "replicas"): ("kubernetes", "replicas", "8", 8),
@@ -162,7 +166,8 @@ def test_unknown_keys() -> None:
         f'{SRC}: unknown key scheduler.gpu."0".memory (known keys: tq, idle_release, mode)'
     ]
     assert errors('[gpu.sim]\n"mem gib" = 1\n') == [
-        f'{SRC}: unknown key gpu.sim."mem gib" (known keys: devices, memory_gib)'
+        f'{SRC}: unknown key gpu.sim."mem gib" '
+        "(known keys: devices, memory_gib, swap_out_gbps, swap_in_gbps)"
     ]
 
 
@@ -191,6 +196,9 @@ SOCKET = "must be an absolute path of at most 107 bytes"
         ("gpu.sim.devices = 65", DEVICES),
         ("gpu.sim.devices = 2.0", f"{DEVICES}, not a float"),
         ("gpu.sim.memory_gib = 0", "must be a number of GiB > 0"),
+        ("gpu.sim.swap_out_gbps = 0", "must be a number of GB/s > 0"),
+        ('memory.swap = "always"', 'must be one of "none", "checkpoint", "auto"'),
+        ("memory.host_floor_mib = -1", "must be an integer number of MiB >= 0"),
         ('control.socket = "kiwid.sock"', SOCKET),
         ('control.admin_group = ""', "must be a group name"),
         ('daemon.state_dir = "run/kiwi"', "must be an absolute path of at most 4095 bytes"),

@@ -1,26 +1,56 @@
 """The engine: applies scheduler actions to real tenants, one at a time.
 
 Every change of the scheduler goes through :meth:`Engine.apply`, under one
-lock, so that a poll, a control command and a reload never interleave. Gate
-operations block (a freeze waits for the cgroup to report frozen), so they run
-on one worker thread; the event loop keeps answering ``kiwictl`` meanwhile.
+lock, so that a poll, a control command and a reload never interleave.
+
+Carrying the actions out blocks (a freeze waits for the cgroup to report
+frozen; a checkpoint of 47 GiB takes half a minute), so it happens off the event
+loop, in two lanes:
+
+* a **gate** of a tenant with nothing queued runs at once, inside
+  :meth:`Engine.apply`, on a thread of its own: stopping someone is always safe
+  and never waits behind a swap;
+* everything else (swaps, ungates, forgetting a tenant that left) goes to one
+  ordered queue that a worker task drains on another thread, while the loop
+  keeps polling, applying activity and answering ``kiwictl`` (status shows a swap
+  in progress, :attr:`Engine.swaps`).
+
+What the worker did goes back to the scheduler as events: ``SwapFinished`` (a
+failure changes the plan: the rotation goes on without that tenant) and
+``Ungated`` (a holder whose memory had to move starts its quantum when it is
+let go, not when it was granted).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from kiwid.core.events import Action, ActivitySeen, Event, Gate, TenantDetached, Tick
+from kiwid.core.events import (
+    Action,
+    ActivitySeen,
+    Event,
+    Gate,
+    SwapFinished,
+    SwapIn,
+    SwapOut,
+    TenantDetached,
+    Tick,
+    Ungate,
+    Ungated,
+)
 from kiwid.core.ledger import LedgerView
 from kiwid.core.model import TenantState
 from kiwid.core.scheduler import Scheduler, Transition
 from kiwid.core.states import Trigger
 from kiwid.daemon.gates import GateError, TenantGate
 from kiwid.daemon.state import GatedRecord, StateFile
+from kiwid.daemon.swap import SwapError, Swapper, restore_record
 from kiwid.daemon.tenants import TenantInfo, TenantTracker
 
 log = logging.getLogger("kiwid.engine")
@@ -38,6 +68,30 @@ class Departed:
     info: TenantInfo | None
     ledger: LedgerView
     gone_at: float
+
+
+@dataclass(frozen=True)
+class _Forget:
+    """A tenant left: ungate and drop what may remain of it (after its queued actions)."""
+
+    tenant: str
+
+
+_Job = Action | _Forget
+
+
+@dataclass
+class SwapProgress:
+    """A swap being carried out (for status: what, how big, since when)."""
+
+    tenant: str
+    direction: str
+    """``"out"`` (to host RAM) or ``"in"`` (back to the GPU)."""
+    bytes: int
+    started: float
+    gpus: frozenset[str]
+    expected_rate: float | None
+    """Bytes per second of the last swap in this direction (``None``: first one)."""
 
 
 @dataclass
@@ -77,15 +131,36 @@ class Engine:
         gate: TenantGate,
         state: StateFile,
         clock: Callable[[], float],
+        *,
+        swapper: Swapper | None = None,
+        host_memory: Callable[[], int] | None = None,
+        host_floor_bytes: int = 0,
     ) -> None:
-        """Wire the parts; nothing runs until :meth:`apply`."""
+        """Wire the parts; nothing runs until :meth:`apply`.
+
+        ``swapper`` moves memory (``None``: swapping unavailable, every swap the
+        scheduler asks for fails); ``host_memory`` reads the available host RAM,
+        below ``host_floor_bytes`` of which no swap-out goes.
+        """
         self.scheduler = scheduler
         self.tracker = tracker
         self.gate = gate
         self.state = state
         self._clock = clock
+        self.swapper = swapper
+        self._host_memory = host_memory
+        self.host_floor_bytes = host_floor_bytes
+        self.swaps: dict[str, SwapProgress] = {}
+        """Swaps in progress, by tenant (read by status while the loop is free)."""
+        self.swap_refusals: dict[str, str] = {}
+        """Tenants whose last swap could not be done, and why (e.g. the host floor)."""
+        self._rates: dict[str, float] = {}
         self._lock = asyncio.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiwid-gate")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiwid-work")
+        self._fast = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiwid-gate")
+        self._jobs: deque[tuple[float, list[_Job]]] = deque()
+        self._pending: dict[str, int] = {}  # queued jobs per tenant
+        self._worker: asyncio.Task[None] | None = None
         self.generation = 0
         """Bumped by every change (event or reload), so that readers can cache."""
         self.gate_failures: dict[str, str] = {}
@@ -97,7 +172,9 @@ class Engine:
     async def apply(self, events: Iterable[Event]) -> None:
         """Feed ``events`` to the scheduler and carry out its actions, in order."""
         async with self._lock:
-            for event in events:
+            queue = deque(events)
+            while queue:
+                event = queue.popleft()
                 now = self._clock()
                 if isinstance(event, TenantDetached):
                     self._depart(event.tenant, now)
@@ -107,13 +184,72 @@ class Engine:
                     self.generation += 1
                 for change in transitions:
                     self._log_transition(change)
+                batch: list[_Job] = []
                 if isinstance(event, TenantDetached):
-                    await self._forget(event.tenant)
+                    batch.append(_Forget(event.tenant))
+                for action in actions:
+                    tenant = action.tenant
+                    if (
+                        isinstance(action, Gate)
+                        and not self._pending.get(tenant)
+                        and all(job.tenant != tenant for job in batch)
+                    ):
+                        await self._act(action, self._fast)
+                    else:
+                        batch.append(action)
+                if batch:
+                    self._enqueue(now, batch)
+
+    def _enqueue(self, since: float, batch: list[_Job]) -> None:
+        for job in batch:
+            self._pending[job.tenant] = self._pending.get(job.tenant, 0) + 1
+        self._jobs.append((since, batch))
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        """The worker: carry out queued jobs in order, reporting back as it goes."""
+        try:
+            while self._jobs:
+                since, batch = self._jobs.popleft()
+                stuck: set[str] = set()  # its swap-in failed: it stays gated
+                for job in batch:
+                    try:
+                        await self._do(job, stuck)
+                    except Exception:  # a bug must not stop the rotation for good
+                        log.exception("Carrying out %s failed", job)
+                    finally:
+                        left = self._pending.get(job.tenant, 1) - 1
+                        if left > 0:
+                            self._pending[job.tenant] = left
+                        else:
+                            self._pending.pop(job.tenant, None)
+                actions = [job for job in batch if not isinstance(job, _Forget)]
                 if actions:
-                    started = self._clock()
-                    for action in actions:
-                        await self._act(action)
-                    self._record_handover(actions, self._clock() - started)
+                    self._record_handover(actions, self._clock() - since)
+                self.generation += 1
+        finally:
+            self._worker = None
+
+    async def _do(self, job: _Job, stuck: set[str]) -> None:
+        if isinstance(job, _Forget):
+            await self._forget(job.tenant)
+        elif isinstance(job, SwapOut | SwapIn):
+            result = await self._swap(job)
+            if not result.ok and isinstance(job, SwapIn):
+                stuck.add(job.tenant)
+            await self.apply([result])  # at once: the plan may change
+        elif isinstance(job, Ungate) and job.tenant in stuck:
+            log.debug("Not ungating %s: its memory could not come back", job.tenant)
+        else:
+            await self._act(job, self._pool)
+            if isinstance(job, Ungate):
+                await self.apply([Ungated(job.tenant)])
+
+    async def idle(self) -> None:
+        """Wait until every queued job is done (tests, shutdown)."""
+        while self._worker is not None:
+            await asyncio.shield(self._worker)
 
     def departed(self, now: float) -> list[Departed]:
         """Tenants gone less than DEPARTED_GRACE_S ago (older ones are dropped)."""
@@ -141,8 +277,7 @@ class Engine:
 
     def _log_transition(self, change: Transition) -> None:
         info = self.tracker.tenants.get(change.tenant)
-        name = info.identity.name if info else change.tenant
-        who = f"{name} ({change.tenant})" if name != change.tenant else change.tenant
+        who = _who(info, change.tenant)
         gpus = ",".join(sorted(info.gpus)) if info else "?"
         trigger = change.trigger
         if change.new is TenantState.HOLDER:
@@ -161,13 +296,53 @@ class Engine:
         await self.apply([Tick()])
 
     async def ungate_all(self) -> list[str]:
-        """Ungate every tenant this daemon gated; return those that failed."""
+        """Ungate every tenant this daemon gated; return those that failed.
+
+        Swapped tenants are restored first, after the resident ones are let go,
+        as long as they fit; the others stay in host RAM, gated, and recorded
+        (``kiwid recover`` or the next start brings them back).
+        """
         failed: list[str] = []
+        self._jobs.clear()  # not started: moot now that everyone is let go
+        if self._worker is not None:
+            self._worker.cancel()  # what runs on its thread finishes first, below
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
         async with self._lock:
-            for record in self.state.records.values():
-                if not await self._ungate(record):
+            records = sorted(self.state.records.values(), key=lambda r: bool(r.swapped))
+            for record in records:
+                if record.swapped and not await self._restore_for_exit(record):
+                    failed.append(record.tenant)
+                    continue
+                if not await self._ungate(self.state.records.get(record.tenant, record)):
                     failed.append(record.tenant)
         return failed
+
+    async def _restore_for_exit(self, record: GatedRecord) -> bool:
+        swapper = self.swapper
+        state_dir = self.state.path.parent
+
+        def restore(_: object) -> None:
+            if swapper is not None and swapper.method == record.swap_method:
+                swapper.swap_in(record)
+            else:
+                restore_record(record, state_dir)
+
+        try:
+            await self._run(restore, None)
+        except SwapError as err:
+            log.warning(
+                "Kept swapped: %s: its %d bytes stay in host RAM, gated (%s). "
+                "`kiwid recover` restores it and lets it go once the GPU has room; "
+                "the next kiwid start queues it again",
+                record.tenant,
+                sum((record.swapped or {}).values()),
+                err,
+            )
+            return False
+        self.state.put(replace(record, swapped=None, swap_method=None))
+        self.tracker.swapped.pop(record.tenant, None)
+        return True
 
     async def release(self, record: GatedRecord) -> bool:
         """Ungate one recorded tenant (one this daemon did not gate itself)."""
@@ -176,10 +351,11 @@ class Engine:
             return await self._ungate(record)
 
     def close(self) -> None:
-        """Stop the worker thread (after :meth:`ungate_all`)."""
+        """Stop the worker threads (after :meth:`ungate_all`)."""
         self._pool.shutdown(wait=True)
+        self._fast.shutdown(wait=True)
 
-    async def _act(self, action: Action) -> None:
+    async def _act(self, action: Action, pool: ThreadPoolExecutor) -> None:
         tenant = action.tenant
         if isinstance(action, Gate):
             info = self.tracker.tenants.get(tenant)
@@ -187,7 +363,7 @@ class Engine:
                 return
             name = info.identity.name
             try:
-                await self._run(self._gate_sync, info)
+                await self._run(self._gate_sync, info, pool)
             except GateError as err:
                 self.gate_failures[tenant] = str(err)
                 log.warning(
@@ -206,6 +382,84 @@ class Engine:
                 info = self.tracker.tenants.get(tenant)
                 name = info.identity.name if info else tenant
                 log.debug("Ungated %s (%s)", tenant, name)
+
+    async def _swap(self, action: SwapOut | SwapIn) -> SwapFinished:
+        """Carry out one swap on the worker thread; say how it went."""
+        tenant = action.tenant
+        direction = "out" if isinstance(action, SwapOut) else "in"
+        info = self.tracker.tenants.get(tenant)
+        record = self.state.records.get(tenant)
+        who = _who(info, tenant)
+        failed = SwapFinished(tenant, direction, ok=False)
+        if self.swapper is None or record is None or info is None:
+            why = "swapping is unavailable" if self.swapper is None else "it is not gated"
+            log.warning("Swap %s of %s not done: %s", direction, who, why)
+            self.swap_refusals[tenant] = why
+            return failed
+        peak = self.scheduler.peak(tenant)
+        if direction == "out":
+            sizes = {g: info.footprint.get(g) or peak.get(g, 0) for g in info.gpus}
+        else:
+            sizes = dict(record.swapped or {g: peak.get(g, 0) for g in info.gpus})
+        nbytes = sum(sizes.values())
+        if direction == "out" and self._host_memory is not None:
+            available = self._host_memory()
+            if available - nbytes < self.host_floor_bytes:
+                why = (
+                    f"host RAM floor: {nbytes} bytes would leave {available - nbytes} of "
+                    f"the {self.host_floor_bytes} bytes memory.host_floor_mib keeps available"
+                )
+                log.warning("Swap out of %s not done: %s; it stays on the GPU, gated", who, why)
+                self.swap_refusals[tenant] = why
+                return failed
+        progress = SwapProgress(
+            tenant, direction, nbytes, self._clock(), info.gpus, self._rates.get(direction)
+        )
+        self.swaps[tenant] = progress
+        self.generation += 1
+        swapper = self.swapper
+        try:
+            if direction == "out":
+                swapped = replace(record, swapped=sizes, swap_method=swapper.method)
+                self.state.put(swapped)  # write-ahead: recovery restores it if we die
+                # Kept before it vanishes from the GPU's process list: a poll
+                # taken meanwhile must not see it as gone.
+                self.tracker.keep_swapped(info)
+                try:
+                    await self._run(lambda _: swapper.swap_out(swapped), None)
+                except SwapError:
+                    self.tracker.swapped.pop(tenant, None)
+                    self.state.put(record)
+                    raise
+            else:
+                await self._run(lambda _: swapper.swap_in(record), None)
+                self.state.put(replace(record, swapped=None, swap_method=None))
+                self.tracker.swapped.pop(tenant, None)
+        except SwapError as err:
+            log.error(
+                "Swap failed: %s of %s: %s; it %s, gated; the rotation goes on",
+                direction,
+                who,
+                err,
+                "keeps its memory on the GPU" if direction == "out" else "stays in host RAM",
+            )
+            self.swap_refusals[tenant] = str(err)
+            return failed
+        finally:
+            self.swaps.pop(tenant, None)
+        seconds = self._clock() - progress.started
+        if seconds > 0 and nbytes:
+            self._rates[direction] = nbytes / seconds
+        self.swap_refusals.pop(tenant, None)
+        log.info(
+            "Swapped %s %s: %d bytes in %.2f s (%.2f GB/s)",
+            direction,
+            who,
+            nbytes,
+            seconds,
+            nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        )
+        return SwapFinished(tenant, direction, ok=True, moved_bytes=nbytes, seconds=seconds)
 
     def _gate_sync(self, info: object) -> None:
         assert isinstance(info, TenantInfo)
@@ -243,6 +497,14 @@ class Engine:
             await self._ungate(record)
         await self._run(lambda _: self.gate.forget(tenant), None)
 
-    async def _run(self, fn: Callable[[object], None], arg: object) -> None:
+    async def _run(
+        self, fn: Callable[[object], None], arg: object, pool: ThreadPoolExecutor | None = None
+    ) -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._pool, fn, arg)
+        await loop.run_in_executor(pool or self._pool, fn, arg)
+
+
+def _who(info: TenantInfo | None, tenant: str) -> str:
+    """A tenant as log lines name it: ``name (key)``, or the key alone."""
+    name = info.identity.name if info else tenant
+    return f"{name} ({tenant})" if name != tenant else tenant

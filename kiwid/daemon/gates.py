@@ -142,6 +142,11 @@ class CudaLockGate:
         self._lock = lock
         self._timeout_ms = max(1, int(timeout_s * 1000))
 
+    @property
+    def lock(self) -> CudaLock:
+        """The driver library it locks with (the checkpoint swapper uses it too)."""
+        return self._lock
+
     def prepare(self, tenant: TenantInfo) -> GatedRecord:
         """Return the record (the PIDs to unlock)."""
         ident = tenant.identity
@@ -175,7 +180,10 @@ class CudaLockGate:
             if not Path(f"/proc/{pid}").exists():
                 continue  # gone: nothing to unlock
             try:
-                if self._lock.state(pid) is ProcessState.LOCKED:
+                state = self._lock.state(pid)
+                if state is ProcessState.CHECKPOINTED:  # unlocking would strand it
+                    failed.append(f"pid {pid}: its memory is in host RAM; restore it first")
+                elif state is ProcessState.LOCKED:
                     self._lock.unlock(pid)
             except CudaLockError as err:
                 failed.append(f"pid {pid}: {err}")

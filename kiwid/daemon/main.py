@@ -35,6 +35,7 @@ from kiwid.daemon.identify import identify
 from kiwid.daemon.logs import setup_logging
 from kiwid.daemon.runner import STARTUP_FAILURE, Daemon
 from kiwid.daemon.state import StateError, StateFile
+from kiwid.daemon.swap import CheckpointSwapper, SimSwapper, SwapError, Swapper, restore_record
 
 log = logging.getLogger("kiwid")
 DEFAULT_CONFIG = Path("/etc/kiwi.toml")
@@ -104,6 +105,32 @@ def make_gate(settings: Settings) -> TenantGate:
     return gate
 
 
+def make_swapper(settings: Settings, backend: GpuBackend, gate: TenantGate) -> Swapper | None:
+    """What can move waiting tenants' memory to host RAM here (``None``: nothing).
+
+    Made whatever ``memory.swap`` says, so that a reload can turn swapping on.
+    The driver's checkpoint needs the process locked, so it comes with the CUDA
+    lock gate only; the simulated GPU swaps with any gate.
+    """
+    from kiwid.adapters.sim import SimBackend  # noqa: PLC0415 - stdlib only, cheap
+
+    if isinstance(backend, SimBackend):
+        gbps = 1e9
+        return SimSwapper(
+            backend, settings.gpu.sim_swap_out_gbps * gbps, settings.gpu.sim_swap_in_gbps * gbps
+        )
+    if isinstance(gate, CudaLockGate) and gate.lock.can_swap:
+        return CheckpointSwapper(gate.lock)
+    if settings.memory.swap != "none":
+        why = (
+            "the driver lacks cuCheckpointProcessCheckpoint"
+            if isinstance(gate, CudaLockGate)
+            else f"it needs the CUDA lock gate, and the gate is {gate.method!r}"
+        )
+        log.warning("memory.swap = %s is off: %s", settings.memory.swap, why)
+    return None
+
+
 def run(argv: Sequence[str]) -> int:
     """``kiwid [--config PATH]``."""
     parser = argparse.ArgumentParser(
@@ -129,8 +156,14 @@ def run(argv: Sequence[str]) -> int:
     except DriverUnavailable as err:
         log.error("Cannot start: %s", err)
         return STARTUP_FAILURE
+    gate = make_gate(loaded.settings)
     daemon = Daemon(
-        args.config, loaded, backend=backend, gate=make_gate(loaded.settings), identify=identify
+        args.config,
+        loaded,
+        backend=backend,
+        gate=gate,
+        identify=identify,
+        swapper=make_swapper(loaded.settings, backend, gate),
     )
     return asyncio.run(daemon.run())
 
@@ -164,7 +197,23 @@ def recover(argv: Sequence[str]) -> int:
         log.error("%s", err)
         return 1
     failed = 0
-    for record in records.values():
+    for record in sorted(records.values(), key=lambda r: bool(r.swapped)):
+        if record.swapped:
+            try:
+                restore_record(record, Path(state_dir))
+            except SwapError as err:
+                log.error(
+                    "Kept swapped: %s: its %d bytes stay in host RAM and it stays gated "
+                    "(%s). Free GPU memory (stop another job) and run `kiwid recover` "
+                    "again, or kill the tenant's processes (pids %s)",
+                    record.tenant,
+                    sum(record.swapped.values()),
+                    err,
+                    " ".join(map(str, record.pids)),
+                )
+                failed += 1
+                continue
+            log.info("Restored %s's memory from host RAM", record.tenant)
         try:
             ungate_record(record)
         except GateError as err:

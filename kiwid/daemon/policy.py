@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kiwid.adapters.gpu import DeviceInfo
 from kiwid.config import Settings
-from kiwid.core.model import GpuPolicy, Mode
+from kiwid.core.model import GpuPolicy, Mode, SwapMode
 
 MIB = 2**20
 
@@ -33,8 +33,13 @@ def configured(settings: Settings, device: DeviceInfo) -> tuple[float, float, st
     return eff.tq, eff.idle_release, eff.mode
 
 
-def effective(settings: Settings, overrides: RuntimeOverrides, device: DeviceInfo) -> GpuPolicy:
-    """Return the policy in force on ``device``: file, then runtime changes."""
+def effective(
+    settings: Settings, overrides: RuntimeOverrides, device: DeviceInfo, *, can_swap: bool = False
+) -> GpuPolicy:
+    """Return the policy in force on ``device``: file, then runtime changes.
+
+    ``memory.swap`` applies only where a swapper exists (``can_swap``).
+    """
     tq, idle_release, mode = configured(settings, device)
     gpu = str(device.index)
     if overrides.tq is not None:
@@ -51,11 +56,16 @@ def effective(settings: Settings, overrides: RuntimeOverrides, device: DeviceInf
         mode=Mode(mode),
         capacity_bytes=device.memory_total_bytes,
         reserve_bytes=settings.memory.reserve_mib * MIB,
+        swap=SwapMode(settings.memory.swap) if can_swap else SwapMode.NONE,
     )
 
 
 def policies(
-    settings: Settings, overrides: RuntimeOverrides, devices: Sequence[DeviceInfo]
+    settings: Settings,
+    overrides: RuntimeOverrides,
+    devices: Sequence[DeviceInfo],
+    *,
+    can_swap: bool = False,
 ) -> dict[str, GpuPolicy]:
     """Return every managed GPU's policy, keyed by index."""
-    return {str(d.index): effective(settings, overrides, d) for d in devices}
+    return {str(d.index): effective(settings, overrides, d, can_swap=can_swap) for d in devices}

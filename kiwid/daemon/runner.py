@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kiwid import __version__
-from kiwid.adapters import cdi
+from kiwid.adapters import cdi, procs
 from kiwid.adapters.control import ControlError, ControlServer, EncodedResult, Peer, SocketInUse
 from kiwid.adapters.gpu import DeviceInfo, GpuBackend, GpuBackendError, GpuLost
 from kiwid.adapters.metrics import MetricsError, MetricsServer
@@ -32,7 +32,7 @@ from kiwid.adapters.notify import Notifier
 from kiwid.adapters.sim import SimBackend
 from kiwid.adapters.watch import ConfigWatcher, WatchError
 from kiwid.config import ConfigError, LoadedConfig, Settings, load_config
-from kiwid.core.events import ActivitySeen, GpusConfigured
+from kiwid.core.events import ActivitySeen, GpusConfigured, TenantSwapped
 from kiwid.core.model import GpuPolicy, TenantState
 from kiwid.core.scheduler import Scheduler
 from kiwid.daemon import policy
@@ -43,7 +43,8 @@ from kiwid.daemon.logs import seconds, set_level
 from kiwid.daemon.pods import PodNames
 from kiwid.daemon.state import GatedRecord, StateError, StateFile
 from kiwid.daemon.status import build_status, summary_line, tenant_json
-from kiwid.daemon.tenants import GpuSample, Identity, Registration, TenantTracker
+from kiwid.daemon.swap import Swapper
+from kiwid.daemon.tenants import GpuSample, Identity, Registration, TenantInfo, TenantTracker
 
 log = logging.getLogger("kiwid")
 
@@ -84,6 +85,7 @@ class Daemon:
         identify: Callable[[int], Identity | None],
         notifier: Notifier | None = None,
         clock: Callable[[], float] = time.monotonic,
+        swapper: Swapper | None = None,
     ) -> None:
         """Prepare the daemon; :meth:`run` starts it."""
         self.config_path = config_path
@@ -94,7 +96,16 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self._clock = clock
         self.state = StateFile(self.settings.daemon.state_dir)
-        self.engine = Engine(Scheduler(), TenantTracker(identify), gate, self.state, clock)
+        self.engine = Engine(
+            Scheduler(),
+            TenantTracker(identify),
+            gate,
+            self.state,
+            clock,
+            swapper=swapper,
+            host_memory=procs.available_host_memory,
+            host_floor_bytes=self.settings.memory.host_floor_mib * policy.MIB,
+        )
         self.pods = PodNames(self.engine.tracker, lambda: self.settings.kubernetes)
         self.devices: list[DeviceInfo] = []
         self.unhealthy: set[str] = set()
@@ -286,6 +297,8 @@ class Daemon:
         for record in records.values():
             if record.method == self.engine.gate.method:
                 self._adopt[record.tenant] = record
+                if record.swapped:
+                    self._keep_swapped(record)
                 continue
             try:
                 ungate_record(record)
@@ -301,6 +314,19 @@ class Daemon:
         if not self.state.records:
             self.state.clear()
 
+    def _keep_swapped(self, record: GatedRecord) -> None:
+        """Keep a tenant that a previous kiwid swapped out, while its processes live.
+
+        It is missing from the GPU's process list; the first poll attaches it and
+        :meth:`_adopt_previous` queues it again.
+        """
+        live = [pid for pid in record.pids if procs.alive(pid)]
+        identity = next((i for i in map(self.engine.tracker.identify, live) if i), None)
+        if identity is None:
+            return  # gone: the first poll releases the record
+        info = TenantInfo(identity, set(live), frozenset(record.swapped or ()))
+        self.engine.tracker.keep_swapped(info)
+
     async def _adopt_previous(self) -> None:
         """After a poll: queue the previous daemon's waiters again, or ungate them.
 
@@ -313,6 +339,15 @@ class Daemon:
         """
         known = self.engine.tracker.tenants
         scheduler = self.engine.scheduler
+        swapped = {k: r for k, r in self._adopt.items() if r.swapped and k in known}
+        if swapped:  # in host RAM: queued again, gated, to come back in its turn
+            for key in swapped:
+                self._adopt.pop(key)
+            await self.engine.apply(
+                [TenantSwapped(key, dict(r.swapped or {})) for key, r in swapped.items()]
+            )
+            for key in swapped:
+                log.info("Re-adopted %s: its memory is in host RAM; it waits for its turn", key)
         patience = min((p.idle_release_s for p in self.policies().values()), default=0.0)
         waited_enough = self._clock() - self._started >= patience
         ready: list[str] = []
@@ -407,7 +442,9 @@ class Daemon:
     def policies(self) -> dict[str, GpuPolicy]:
         """The policy in force on every healthy GPU."""
         healthy = [d for d in self.devices if str(d.index) not in self.unhealthy]
-        return policy.policies(self.settings, self.overrides, healthy)
+        return policy.policies(
+            self.settings, self.overrides, healthy, can_swap=self.engine.swapper is not None
+        )
 
     async def poll(self) -> None:
         """Sample every GPU and feed the differences to the engine."""
@@ -462,6 +499,7 @@ class Daemon:
         self.settings = loaded.settings
         self.overrides = policy.RuntimeOverrides()  # the file is the persistent truth
         set_level(self.settings.daemon.log_level)
+        self.engine.host_floor_bytes = self.settings.memory.host_floor_mib * policy.MIB
         after = self.policies()
         await self.engine.apply([GpusConfigured(after)])
         self._log_tq_changes(before, after)
@@ -533,6 +571,9 @@ class Daemon:
             gate_method=self.engine.gate.method,
             handovers=self.engine.handovers,
             departed=self.engine.departed(self._clock()),
+            swaps=self.engine.swaps,
+            swap_refusals=self.engine.swap_refusals,
+            host_floor_bytes=self.engine.host_floor_bytes,
             reloads=self._reloads,
             uptime_s=self._clock() - self._started,
         )
@@ -561,6 +602,8 @@ class Daemon:
                         t.state,
                         self.engine.gate_failures.get(t.tenant),
                         t.ledger,
+                        resident=t.resident,
+                        swap_refusal=self.engine.swap_refusals.get(t.tenant),
                     )
                     for t in view.tenants
                 ]

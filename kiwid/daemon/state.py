@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,17 @@ class GatedRecord:
     cgroup_v2: str | None
     cgroup_v1_freezer: str | None
     pids: tuple[int, ...]
+    swapped: dict[str, int] | None = None
+    """Its GPU memory is (being) swapped to host RAM: bytes per GPU. Recovery
+    brings it back (when it fits) before letting the tenant go."""
+    swap_method: str | None = None
+    """How it was swapped: ``checkpoint`` (the driver) or ``sim``."""
+
+
+def _swapped(raw: Any) -> dict[str, int] | None:
+    if raw is None:
+        return None
+    return {str(gpu): int(n) for gpu, n in dict(raw).items()}
 
 
 class StateError(Exception):
@@ -43,11 +55,13 @@ class StateFile:
         """Keep the state in ``state_dir`` (created on first write, mode 0755)."""
         self.path = Path(state_dir) / "state.json"
         self._records: dict[str, GatedRecord] = {}
+        self._write_lock = threading.Lock()  # two worker threads record gates
 
     @property
     def records(self) -> dict[str, GatedRecord]:
         """The gated tenants as last written (a copy)."""
-        return dict(self._records)
+        with self._write_lock:
+            return dict(self._records)
 
     def load(self) -> dict[str, GatedRecord]:
         """Read the file (a missing file is an empty state).
@@ -73,6 +87,8 @@ class StateFile:
                     cgroup_v2=rec.get("cgroup_v2"),
                     cgroup_v1_freezer=rec.get("cgroup_v1_freezer"),
                     pids=tuple(int(p) for p in rec.get("pids", ())),
+                    swapped=_swapped(rec.get("swapped")),
+                    swap_method=rec.get("swap_method"),
                 )
                 for key, rec in doc["gated"].items()
             }
@@ -83,13 +99,15 @@ class StateFile:
 
     def put(self, record: GatedRecord) -> None:
         """Record a tenant as (about to be) gated; durable on return."""
-        self._records[record.tenant] = record
-        self._write()
+        with self._write_lock:
+            self._records[record.tenant] = record
+            self._write()
 
     def drop(self, tenant: str) -> None:
         """Forget a tenant after it was ungated; durable on return."""
-        if self._records.pop(tenant, None) is not None:
-            self._write()
+        with self._write_lock:
+            if self._records.pop(tenant, None) is not None:
+                self._write()
 
     def clear(self) -> None:
         """Forget everything and remove the file."""

@@ -14,7 +14,7 @@ from kiwid.adapters.gpu import DeviceInfo
 from kiwid.core.ledger import LedgerView
 from kiwid.core.model import GpuPolicy, TenantState
 from kiwid.core.view import GpuView, SchedulerView
-from kiwid.daemon.engine import Departed, Histogram
+from kiwid.daemon.engine import Departed, Histogram, SwapProgress
 from kiwid.daemon.tenants import TenantInfo
 
 
@@ -30,9 +30,9 @@ def ledger_json(ledger: LedgerView | None) -> dict[str, Any] | None:
         "quanta": ledger.quanta,
         "preempted": ledger.preempted,
         "early_releases": ledger.early_releases,
-        "swapped_out_bytes": 0,
-        "swapped_in_bytes": 0,
-        "swap_s": 0.0,
+        "swapped_out_bytes": ledger.swapped_out_bytes,
+        "swapped_in_bytes": ledger.swapped_in_bytes,
+        "swap_s": round(ledger.swap_s, 3),
     }
 
 
@@ -42,8 +42,15 @@ def tenant_json(
     state: TenantState,
     gate_failure: str | None,
     ledger: LedgerView | None = None,
+    *,
+    resident: bool | None = None,
+    swap_refusal: str | None = None,
 ) -> dict[str, Any]:
-    """One tenant, as status and ``tenants`` list it."""
+    """One tenant, as status and ``tenants`` list it.
+
+    ``resident`` is ``False`` while its GPU memory is in host RAM; ``swap_refusal``
+    says why its last swap could not be done (e.g. the host memory floor).
+    """
     ident = info.identity if info else None
     return {
         "id": key,
@@ -59,6 +66,30 @@ def tenant_json(
         "footprint_bytes": sum(v or 0 for v in info.footprint.values()) if info else None,
         "gate_failure": gate_failure,
         "ledger": ledger_json(ledger),
+        "resident": resident,
+        "swap_refusal": swap_refusal,
+    }
+
+
+def swap_json(progress: SwapProgress | None, now: float) -> dict[str, Any] | None:
+    """A swap in progress: who, which way, how big, and (estimated) how far along.
+
+    The driver's checkpoint is one call that reports nothing until it returns, so
+    ``done_bytes`` is estimated from the rate of the previous swap that way.
+    """
+    if progress is None:
+        return None
+    elapsed = max(0.0, now - progress.started)
+    rate = progress.expected_rate
+    done = min(progress.bytes, int(elapsed * rate)) if rate else None
+    return {
+        "tenant": progress.tenant,
+        "direction": progress.direction,
+        "bytes": progress.bytes,
+        "elapsed_s": round(elapsed, 3),
+        "rate_bytes_s": round(rate) if rate else None,
+        "done_bytes": done,
+        "done_estimated": True,
     }
 
 
@@ -76,6 +107,9 @@ def build_status(
     gate_method: str,
     handovers: Mapping[str, Histogram],
     departed: Sequence[Departed],
+    swaps: Mapping[str, SwapProgress] | None = None,
+    swap_refusals: Mapping[str, str] | None = None,
+    host_floor_bytes: int = 0,
     reloads: Mapping[str, int],
     uptime_s: float,
 ) -> dict[str, Any]:
@@ -129,12 +163,18 @@ def build_status(
                         t.state,
                         gate_failures.get(t.tenant),
                         t.ledger,
+                        resident=t.resident,
+                        swap_refusal=(swap_refusals or {}).get(t.tenant),
                     )
                     for t in view.tenants
                     if gid in t.gpus
                 ],
                 "handover_seconds": handovers.get(gid, Histogram()).as_json(),
-                "swap": None,
+                "swap": swap_json(
+                    next((w for w in (swaps or {}).values() if gid in w.gpus), None), now
+                ),
+                "swap_mode": policy.swap.value if policy else None,
+                "memory_resident_bytes": g.memory_in_use_bytes if g else 0,
             }
         )
     return {
@@ -146,6 +186,7 @@ def build_status(
         "uptime_s": round(uptime_s, 3),
         "counters": {"reloads": dict(reloads)},
         "gpus": gpus,
+        "host_floor_bytes": host_floor_bytes,
         "departed": [_departed_json(d, now) for d in departed],
     }
 

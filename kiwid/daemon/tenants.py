@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kiwid.adapters import procs
 from kiwid.adapters.gpu import GpuProcess
 from kiwid.core.events import ActivitySeen, Event, FootprintSeen, TenantAttached, TenantDetached
 
@@ -73,9 +74,21 @@ class Registration:
 class TenantTracker:
     """Keeps the tenant table and turns each poll into scheduler events."""
 
-    def __init__(self, identify: Callable[[int], Identity | None]) -> None:
-        """``identify`` maps a host PID to its tenant (``None``: process gone)."""
+    def __init__(
+        self,
+        identify: Callable[[int], Identity | None],
+        alive: Callable[[int], bool] | None = None,
+    ) -> None:
+        """Track tenants.
+
+        ``identify`` maps a host PID to its tenant (``None``: process gone);
+        ``alive`` says whether a PID still runs.
+        """
         self._identify = identify
+        self._alive = alive or procs.alive
+        self.swapped: dict[str, TenantInfo] = {}
+        """Tenants whose memory is in host RAM: missing from the GPU's process list
+        (as NVML drops a checkpointed process), yet kept while a process lives."""
         self._by_pid: dict[int, Identity] = {}
         self.tenants: dict[str, TenantInfo] = {}
         self._last_key: object = None
@@ -95,12 +108,15 @@ class TenantTracker:
         """
         samples = list(samples)
         lost_set = frozenset(lost_gpus)
+        for gone in [k for k, i in self.swapped.items() if not any(map(self._alive, i.pids))]:
+            del self.swapped[gone]
         # An idle node's polls repeat themselves: nothing to diff, nothing to say.
         # (Activity is news every time: it keeps a burst alive.)
         key = (
             tuple((s.gpu, tuple(s.processes)) for s in samples),
             lost_set,
             self._registry_version,
+            tuple(self.swapped),
         )
         if key == self._last_key and not any(s.active_pids for s in samples):
             return []
@@ -128,6 +144,11 @@ class TenantTracker:
             if tid not in gpus:
                 gpus[tid] = set(reg.gpus)
                 pids[tid] = set(reg.pids)
+        for tid, info in self.swapped.items():  # swapped out: invisible, not gone
+            if tid not in gpus:
+                gpus[tid] = set(info.gpus)
+                pids[tid] = set(info.pids)
+                seen_pids |= info.pids
         lost = lost_set
         for tid, info in self.tenants.items():  # keep tenants of unreadable GPUs
             kept = info.gpus & lost
@@ -138,6 +159,12 @@ class TenantTracker:
         for pid in set(self._by_pid) - seen_pids:
             del self._by_pid[pid]
         return self._diff(pids, gpus, memory, active, now)
+
+    def keep_swapped(self, info: TenantInfo) -> None:
+        """Keep a tenant whose memory went to host RAM while one of its PIDs lives."""
+        self.swapped[info.key] = info
+        for pid in info.pids:
+            self._by_pid[pid] = info.identity
 
     def register(self, reg: Registration) -> None:
         """Announce a container (its names win over what /proc tells)."""
@@ -167,6 +194,10 @@ class TenantTracker:
         if info is not None:
             info.identity = identity
         return True
+
+    def identify(self, pid: int) -> Identity | None:
+        """The tenant a live PID belongs to (``None``: gone)."""
+        return self._lookup(pid)
 
     def _lookup(self, pid: int) -> Identity | None:
         ident = self._by_pid.get(pid)

@@ -1,0 +1,155 @@
+"""Swappers: how a gated tenant's GPU memory goes to host RAM and comes back.
+
+* ``CheckpointSwapper`` uses the driver's checkpoint API on every process of the
+  tenant: ``cuCheckpointProcessCheckpoint`` needs the process LOCKED, so it
+  works with the CUDA-lock gate only (a frozen process cannot be checkpointed).
+  Restore leaves the process locked; the gate's ungate unlocks it.
+* ``SimSwapper`` moves the simulated GPU's bookkeeping and takes the time the
+  configured rates say (the sim's model of the cost), on the worker thread.
+
+Both leave the tenant as it was when they fail: a failed swap-out restores what
+it had already checkpointed, so the memory is on the card and the tenant gated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
+from kiwid.adapters.sim import SimBackend, SimOutOfMemory, swap_in_persisted
+from kiwid.daemon.state import GatedRecord
+
+log = logging.getLogger("kiwid.swap")
+
+
+class SwapError(Exception):
+    """A tenant's memory could not be moved (it is where it was)."""
+
+
+class Swapper(Protocol):
+    """Move gated tenants' memory between the GPU and host RAM."""
+
+    method: str
+
+    def swap_out(self, record: GatedRecord) -> None:
+        """Move the memory of the (gated) tenant to host RAM.
+
+        Raises:
+            SwapError: it could not be moved; it is on the GPU, still gated.
+        """
+        ...
+
+    def swap_in(self, record: GatedRecord) -> None:
+        """Bring the memory back; the tenant stays gated.
+
+        Raises:
+            SwapError: it could not be brought back; it stays in host RAM, gated.
+        """
+        ...
+
+
+class CheckpointSwapper:
+    """The driver's ``cuCheckpointProcessCheckpoint`` / ``Restore``."""
+
+    method = "checkpoint"
+
+    def __init__(self, lock: CudaLock) -> None:
+        """Use ``lock``'s driver library (it must have :attr:`CudaLock.can_swap`)."""
+        self._lock = lock
+
+    def swap_out(self, record: GatedRecord) -> None:
+        """Checkpoint every process of the tenant; undo the ones done on failure."""
+        done: list[int] = []
+        for pid in record.pids:
+            try:
+                if self._lock.state(pid) is not ProcessState.LOCKED:
+                    continue  # not a CUDA process, or already in host RAM
+                self._lock.checkpoint(pid)
+            except CudaLockError as err:
+                for back in reversed(done):
+                    try:
+                        self._lock.restore(back)
+                    except CudaLockError as again:
+                        log.error("pid %d stays in host RAM: restore failed: %s", back, again)
+                raise SwapError(f"checkpoint of pid {pid}: {err}") from err
+            done.append(pid)
+
+    def swap_in(self, record: GatedRecord) -> None:
+        """Restore every checkpointed process of the tenant."""
+        restore_checkpointed(self._lock, record)
+
+
+def restore_checkpointed(lock: CudaLock, record: GatedRecord) -> None:
+    """Restore each CHECKPOINTED process of ``record`` (they stay locked).
+
+    Raises:
+        SwapError: a restore failed (out of device memory, most likely).
+    """
+    for pid in record.pids:
+        try:
+            if lock.state(pid) is ProcessState.CHECKPOINTED:
+                lock.restore(pid)
+        except CudaLockError as err:
+            raise SwapError(f"restore of pid {pid}: {err}") from err
+
+
+class SimSwapper:
+    """The simulated GPU's swap: bookkeeping plus the time the rates say."""
+
+    method = "sim"
+
+    def __init__(
+        self,
+        backend: SimBackend,
+        out_bytes_per_s: float,
+        in_bytes_per_s: float,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """Swap on ``backend`` at the given rates (bytes per second)."""
+        self._backend = backend
+        self._out_rate = out_bytes_per_s
+        self._in_rate = in_bytes_per_s
+        self._sleep = sleep
+
+    def swap_out(self, record: GatedRecord) -> None:
+        """Take the tenant's memory off the simulated GPU, in bytes / rate seconds."""
+        moving = self._backend.resident_of(record.pids)
+        self._sleep(moving / self._out_rate)
+        self._backend.swap_out(record.pids)
+
+    def swap_in(self, record: GatedRecord) -> None:
+        """Bring it back if it fits, in bytes / rate seconds."""
+        try:
+            self._backend.check_swap_in(record.pids)
+        except SimOutOfMemory as err:
+            raise SwapError(str(err)) from err
+        self._sleep(self._backend.swapped_of(record.pids) / self._in_rate)
+        try:
+            self._backend.swap_in(record.pids)
+        except SimOutOfMemory as err:  # the card filled up meanwhile
+            raise SwapError(str(err)) from err
+
+
+def restore_record(record: GatedRecord, state_dir: Path) -> None:
+    """Bring a swapped tenant's memory back without a daemon (recover, start-up).
+
+    Raises:
+        SwapError: it could not be restored; it stays in host RAM, gated.
+    """
+    if not record.swapped:
+        return
+    if record.swap_method == "sim":
+        try:
+            swap_in_persisted(state_dir / "sim.json", record.pids)
+        except SimOutOfMemory as err:
+            raise SwapError(str(err)) from err
+        return
+    try:
+        lock = CudaLock()
+    except CudaLockError as err:
+        raise SwapError(f"the driver's checkpoint API is unavailable here: {err}") from err
+    restore_checkpointed(lock, record)

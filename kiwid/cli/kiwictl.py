@@ -218,6 +218,14 @@ def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
     for i, w in enumerate(waiters):
         label = "  waiters  " if i == 0 else "           "
         lines.append(f"{label}{w['position']}. {w['tenant']} waiting {w['waiting_s']:.1f} s")
+    swap = gpu.get("swap")
+    if swap:
+        rate = swap.get("rate_bytes_s")
+        speed = f" at ~{rate / 1e9:.1f} GB/s" if rate else ""
+        lines.append(
+            f"  swap     {swap['tenant']} {swap['direction']}: {_bytes(swap.get('bytes'))}, "
+            f"{swap.get('elapsed_s', 0):.1f} s so far{speed}"
+        )
     tenants = gpu.get("tenants") or []
     if not tenants:
         lines.append("  tenants  none")
@@ -227,7 +235,11 @@ def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
         size = _bytes(t.get("footprint_bytes"))
         pod = _pod(t)
         who = f"{t.get('name')}, pod {pod}" if pod else str(t.get("name"))
-        lines.append(f"{label}{t['id']} ({who}): {t.get('state')}, pids {pids}, {size}")
+        where = ", in host RAM" if t.get("resident") is False else ""
+        refused = f" (swap refused: {t['swap_refusal']})" if t.get("swap_refusal") else ""
+        lines.append(
+            f"{label}{t['id']} ({who}): {t.get('state')}, pids {pids}, {size}{where}{refused}"
+        )
     return lines
 
 

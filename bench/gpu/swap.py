@@ -716,6 +716,9 @@ class Run:
         log(f"  kiwid: {self.gate_line or 'no [INFO] Gate: line'}")
         if not self.sim and (self.gate_line is None or "CUDA" not in self.gate_line):
             log("  WARNING: kiwid does not gate with the CUDA lock; swapping needs it")
+        if self.sim:  # as on the GPU, kiwid knows the idle tenants (their contexts) at once
+            for w in self.workers:
+                self._sim_attach(w, int(self.args.overhead_gib * GIB))
 
     def _sim_attach(self, w: Worker, nbytes: int) -> None:
         from kiwid.adapters.control import request  # noqa: PLC0415 - needs the repo path
@@ -801,8 +804,10 @@ class Run:
         self.t_end = time.monotonic()
 
     def _release(self, w: Worker) -> None:
-        if self.sim and self.kiwid is not None:
+        if self.sim and w.label in self.memory.resident:  # its footprint grows as it allocates
             self._sim_attach(w, int((self.args.gib + self.args.overhead_gib) * GIB))
+        elif self.sim:  # swapped out while idle: attaching again would bring it back in the sim
+            log(f"  (rehearsal: {w.label} is swapped out; its simulated footprint stays small)")
         try:
             w.send(b"a")
         except OSError as exc:

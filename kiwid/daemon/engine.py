@@ -10,10 +10,13 @@ loop, in two lanes:
 * a **gate** of a tenant with nothing queued runs at once, inside
   :meth:`Engine.apply`, on a thread of its own: stopping someone is always safe
   and never waits behind a swap;
-* everything else (swaps, ungates, forgetting a tenant that left) goes to one
-  ordered queue that a worker task drains on another thread, while the loop
-  keeps polling, applying activity and answering ``kiwictl`` (status shows a swap
-  in progress, :attr:`Engine.swaps`).
+* everything else (swaps, ungates, forgetting a tenant that left) is queued in
+  batches, one per event, and carried out by workers on other threads while the
+  loop keeps polling, applying activity and answering ``kiwictl`` (status shows
+  a swap in progress, :attr:`Engine.swaps`). A worker per GPU: batches on
+  different GPUs run at once (a 30-second swap on GPU 0 does not delay a
+  hand-over on GPU 1); batches that share a GPU run in the order they were made,
+  so a tenant's own actions never overtake each other.
 
 What the worker did goes back to the scheduler as events: ``SwapFinished`` (a
 failure changes the plan: the rotation goes on without that tenant) and
@@ -24,7 +27,6 @@ let go, not when it was granted).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -78,6 +80,15 @@ class _Forget:
 
 
 _Job = Action | _Forget
+
+
+@dataclass
+class _Batch:
+    """The queued actions of one event, and the GPUs they touch."""
+
+    since: float
+    jobs: list[_Job]
+    gpus: frozenset[str]
 
 
 @dataclass
@@ -156,11 +167,12 @@ class Engine:
         """Tenants whose last swap could not be done, and why (e.g. the host floor)."""
         self._rates: dict[str, float] = {}
         self._lock = asyncio.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiwid-work")
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kiwid-work")
         self._fast = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiwid-gate")
-        self._jobs: deque[tuple[float, list[_Job]]] = deque()
-        self._pending: dict[str, int] = {}  # queued jobs per tenant
-        self._worker: asyncio.Task[None] | None = None
+        self._jobs: list[_Batch] = []  # queued, not started, oldest first
+        self._running: dict[asyncio.Task[None], _Batch] = {}
+        self._pending: dict[str, int] = {}  # queued or running jobs per tenant
+        self._stopping = False
         self.generation = 0
         """Bumped by every change (event or reload), so that readers can cache."""
         self.gate_failures: dict[str, str] = {}
@@ -200,36 +212,61 @@ class Engine:
                 if batch:
                     self._enqueue(now, batch)
 
-    def _enqueue(self, since: float, batch: list[_Job]) -> None:
-        for job in batch:
+    def _enqueue(self, since: float, jobs: list[_Job]) -> None:
+        gpus: set[str] = set()
+        for job in jobs:
             self._pending[job.tenant] = self._pending.get(job.tenant, 0) + 1
-        self._jobs.append((since, batch))
-        if self._worker is None:
-            self._worker = asyncio.get_running_loop().create_task(self._drain())
+            gpus |= self._gpus_of(job.tenant)
+        if self._stopping:
+            return
+        self._jobs.append(_Batch(since, jobs, frozenset(gpus or {""})))
+        self._dispatch()
 
-    async def _drain(self) -> None:
-        """The worker: carry out queued jobs in order, reporting back as it goes."""
+    def _gpus_of(self, tenant: str) -> frozenset[str]:
+        info = self.tracker.tenants.get(tenant)
+        if info is None:
+            gone = self._departed.get(tenant)
+            info = gone.info if gone else None
+        return info.gpus if info else frozenset()
+
+    def _dispatch(self) -> None:
+        """Start every queued batch whose GPUs no earlier batch still works on."""
+        busy: set[str] = set()
+        for running in self._running.values():
+            busy |= running.gpus
+        loop = asyncio.get_running_loop()
+        for batch in list(self._jobs):
+            if not batch.gpus & busy:
+                self._jobs.remove(batch)
+                self._running[loop.create_task(self._work(batch))] = batch
+            busy |= batch.gpus  # later batches on these GPUs wait for this one
+
+    async def _work(self, batch: _Batch) -> None:
+        """A worker: carry out one batch in order, reporting back as it goes."""
+        stuck: set[str] = set()  # its swap-in failed: it stays gated
         try:
-            while self._jobs:
-                since, batch = self._jobs.popleft()
-                stuck: set[str] = set()  # its swap-in failed: it stays gated
-                for job in batch:
-                    try:
+            for job in batch.jobs:
+                try:
+                    if not self._stopping:
                         await self._do(job, stuck)
-                    except Exception:  # a bug must not stop the rotation for good
-                        log.exception("Carrying out %s failed", job)
-                    finally:
-                        left = self._pending.get(job.tenant, 1) - 1
-                        if left > 0:
-                            self._pending[job.tenant] = left
-                        else:
-                            self._pending.pop(job.tenant, None)
-                actions = [job for job in batch if not isinstance(job, _Forget)]
-                if actions:
-                    self._record_handover(actions, self._clock() - since)
-                self.generation += 1
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug must not stop the rotation for good
+                    log.exception("Carrying out %s failed", job)
+                finally:
+                    left = self._pending.get(job.tenant, 1) - 1
+                    if left > 0:
+                        self._pending[job.tenant] = left
+                    else:
+                        self._pending.pop(job.tenant, None)
+            actions = [job for job in batch.jobs if not isinstance(job, _Forget)]
+            if actions:
+                self._record_handover(actions, self._clock() - batch.since)
+            self.generation += 1
         finally:
-            self._worker = None
+            self._running = {t: b for t, b in self._running.items() if b is not batch}
+            if self._jobs:
+                self._dispatch()
 
     async def _do(self, job: _Job, stuck: set[str]) -> None:
         if isinstance(job, _Forget):
@@ -247,9 +284,9 @@ class Engine:
                 await self.apply([Ungated(job.tenant)])
 
     async def idle(self) -> None:
-        """Wait until every queued job is done (tests, shutdown)."""
-        while self._worker is not None:
-            await asyncio.shield(self._worker)
+        """Wait until every queued job is done."""
+        while self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
 
     def departed(self, now: float) -> list[Departed]:
         """Tenants gone less than DEPARTED_GRACE_S ago (older ones are dropped)."""
@@ -303,11 +340,11 @@ class Engine:
         (``kiwid recover`` or the next start brings them back).
         """
         failed: list[str] = []
-        self._jobs.clear()  # not started: moot now that everyone is let go
-        if self._worker is not None:
-            self._worker.cancel()  # what runs on its thread finishes first, below
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._worker
+        # Queued work is moot now that everyone is let go; work in progress (a
+        # checkpoint on a thread) must end before its tenant is touched again.
+        self._stopping = True
+        self._jobs.clear()
+        await self.idle()
         async with self._lock:
             records = sorted(self.state.records.values(), key=lambda r: bool(r.swapped))
             for record in records:

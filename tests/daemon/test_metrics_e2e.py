@@ -37,16 +37,25 @@ def test_metrics_endpoint_serves_the_ledger_and_queue(start_kiwid, tenants, work
         10,
         "a preemption",
     )
-    families = scrape(port)
+
+    def handed_over(families: dict) -> bool:
+        return any(
+            s.name.endswith("_count") and s.value >= 1
+            for s in families["kiwi_handover_duration_seconds"]
+        )
+
+    # A hand-over is observed when the worker has carried it out, just after the
+    # scheduler's preemption that status shows: wait for it.
+    def scrape_after_a_handover() -> dict | None:
+        families = scrape(port)
+        return families if handed_over(families) else None
+
+    families = wait_for(scrape_after_a_handover, 5, "a hand-over in the histogram")
     quanta = {s.labels["tenant"]: s.value for s in families["kiwi_tenant_quanta"]}
     assert set(quanta) == {a.key, b.key}
     assert sum(quanta.values()) >= 2
     assert [s.value for s in families["kiwi_gpu_tq_seconds"]] == [1.0]
     assert [s.value for s in families["kiwi_gpu_queue_length"]] == [1.0]
-    assert any(
-        s.name.endswith("_count") and s.value >= 1
-        for s in families["kiwi_handover_duration_seconds"]
-    )
     assert "Metrics on http://127.0.0.1:" in k.log_text()
 
 

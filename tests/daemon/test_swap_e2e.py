@@ -28,6 +28,7 @@ def swap_config(d: Path, **kw: Any) -> str:
         "out": 16,
         "in_": 32,
         "floor": 0,
+        "devices": 1,
         **kw,
     }
     return f"""\
@@ -38,7 +39,7 @@ idle_release = {v["idle_release"]}
 backend = "sim"
 poll_interval = 0.05
 [gpu.sim]
-devices = 1
+devices = {v["devices"]}
 memory_gib = {CARD_GIB}
 swap_out_gbps = {v["out"]}
 swap_in_gbps = {v["in_"]}
@@ -263,3 +264,21 @@ def test_swap_needs_the_cuda_lock_on_a_real_gpu_and_says_so(caplog) -> None:
     settings = Settings(memory=MemorySettings(swap="checkpoint"))
     assert make_swapper(settings, NotSim(), NullGate()) is None  # type: ignore[arg-type]
     assert "memory.swap = checkpoint is off: it needs the CUDA lock gate" in caplog.text
+
+
+def test_a_long_swap_on_one_gpu_does_not_hold_up_a_hand_over_on_another(
+    start_kiwid, tenants, workdir
+) -> None:
+    # GPU 0's swap-out: 4 GiB at 0.5 GB/s, about 8.6 s. GPU 1's: 0.25 GiB, 0.5 s.
+    k = start(start_kiwid, workdir, tq=30, out=0.5, devices=2)
+    a0, b0, a1, b1 = (tenants(n) for n in ("a0", "b0", "a1", "b1"))
+    k.attach(a0.pid, gpu=0, memory=TENANT)
+    k.attach(a1.pid, gpu=1, memory=GiB // 4)
+    wait_for(lambda: holder(k) == a0.key, 5, "a0 to hold GPU 0")
+    k.attach(b0.pid, gpu=0, memory=TENANT)
+    wait_for(lambda: k.status()["gpus"][0]["swap"], 5, "b0's swap-out under way")
+    k.attach(b1.pid, gpu=1, memory=GiB // 4)
+    wait_for(lambda: swapped(workdir, b1), 5, "b1's memory in host RAM")
+    assert k.status()["gpus"][0]["swap"] is not None, "GPU 1 waited for GPU 0's swap"
+    assert b1.frozen() and not swapped(workdir, b0)
+    wait_for(lambda: swapped(workdir, b0), 15, "b0's memory in host RAM")

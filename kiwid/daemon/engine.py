@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+from kiwid.adapters import procs
 from kiwid.core.events import (
     Action,
     ActivitySeen,
@@ -356,6 +357,10 @@ class Engine:
         return failed
 
     async def _restore_for_exit(self, record: GatedRecord) -> bool:
+        if not any(map(procs.alive, record.pids)):  # gone: its host memory went with it
+            self.state.drop(record.tenant)
+            self.tracker.swapped.pop(record.tenant, None)
+            return True
         swapper = self.swapper
         state_dir = self.state.path.parent
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiwid import __version__
-from kiwid.adapters import cudalock
+from kiwid.adapters import cudalock, procs
 from kiwid.adapters.cgroups import CgroupError, CgroupLayout
 from kiwid.adapters.gpu import DriverUnavailable, GpuBackend
 from kiwid.config import ConfigError, Settings, check_config_main, load_config
@@ -198,6 +198,10 @@ def recover(argv: Sequence[str]) -> int:
         return 1
     failed = 0
     for record in sorted(records.values(), key=lambda r: bool(r.swapped)):
+        if record.swapped and not any(map(procs.alive, record.pids)):
+            state.drop(record.tenant)  # gone: its host memory went with it
+            log.info("Dropped %s: its processes are gone", record.tenant)
+            continue
         if record.swapped:
             try:
                 restore_record(record, Path(state_dir))

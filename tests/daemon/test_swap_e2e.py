@@ -282,3 +282,17 @@ def test_a_long_swap_on_one_gpu_does_not_hold_up_a_hand_over_on_another(
     assert k.status()["gpus"][0]["swap"] is not None, "GPU 1 waited for GPU 0's swap"
     assert b1.frozen() and not swapped(workdir, b0)
     wait_for(lambda: swapped(workdir, b0), 15, "b0's memory in host RAM")
+
+
+def test_a_swapped_tenant_that_died_is_dropped_at_stop(start_kiwid, tenants, workdir) -> None:
+    k = start(start_kiwid, workdir, tq=30)
+    a, b = tenants("a"), tenants("b")
+    k.attach(a.pid, memory=TENANT)
+    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
+    k.attach(b.pid, memory=TENANT)
+    wait_for(lambda: swapped(workdir, b), 5, "b's memory in host RAM")
+    b.proc.kill()
+    b.proc.wait()
+    assert k.stop(signal.SIGTERM) == 0, k.log_text()
+    assert "Kept swapped" not in k.log_text()
+    assert not (workdir / "state" / "state.json").exists()

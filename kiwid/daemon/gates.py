@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from pathlib import Path
 from typing import Protocol
 
+from kiwid.adapters import procs
 from kiwid.adapters.cgroups import (
     CgroupLayout,
     CgroupRef,
@@ -177,8 +177,8 @@ class CudaLockGate:
         """
         failed: list[str] = []
         for pid in record.pids:
-            if not Path(f"/proc/{pid}").exists():
-                continue  # gone: nothing to unlock
+            if not procs.alive(pid):
+                continue  # gone (or a zombie): nothing to unlock
             try:
                 state = self._lock.state(pid)
                 if state is ProcessState.CHECKPOINTED:  # unlocking would strand it
@@ -186,6 +186,10 @@ class CudaLockGate:
                 elif state is ProcessState.LOCKED:
                     self._lock.unlock(pid)
             except CudaLockError as err:
+                # A process being torn down (SIGKILLed) has no CUDA state left to
+                # query: the driver says NOT_INITIALIZED. Nothing stays locked.
+                if err.name == "CUDA_ERROR_NOT_INITIALIZED" or not procs.alive(pid):
+                    continue
                 failed.append(f"pid {pid}: {err}")
         if failed:
             raise GateError(f"{record.tenant}: cannot unlock {'; '.join(failed)}")

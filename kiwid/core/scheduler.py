@@ -27,6 +27,12 @@ in. With ``checkpoint`` every other waiting tenant is swapped out too, but
 *after* the new holder runs: it fits beside them, so it need not wait for them.
 A failed swap-out leaves the memory where it was; a failed swap-in sends the
 tenant to the back of the queue for one quantum, and the rotation goes on.
+
+Prefetch: when the next tenant in line is in host RAM and fits beside everyone
+resident, its memory is brought back (it stays gated) shortly before the
+holder's quantum ends: early by the time its restore should take (its size at
+the swap-in rate seen so far on that GPU, plus a second). The hand-over itself
+then only moves the gate.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ from kiwid.core.view import GpuView, SchedulerView, TenantView, WaiterView
 
 S = TenantState
 _NO_GPU: GpuId = ""  # index key for tenants attached to no GPU
+DEFAULT_SWAP_IN_BYTES_PER_S = 5e9
+"""Swap-in rate assumed until one is seen (the driver's restore on an H200: 5.5-7 GB/s)."""
+PREFETCH_MARGIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,10 @@ class _Tenant:
     """``False`` after a failed swap-out, until it runs again."""
     starting: bool = False
     """Granted, but its memory is still moving: its quantum starts at ``Ungated``."""
+    swapping_in: bool = False
+    """A swap-in was asked for and has not been reported done."""
+    prefetched: bool = False
+    """Brought back ahead of its turn: not swapped out again while it waits."""
 
     @property
     def bursting(self) -> bool:
@@ -132,6 +145,7 @@ class Scheduler:
         # stale-early (activity moved a deadline later): that costs one scoped
         # reconcile, never a missed deadline.
         self._gpu_deadline: dict[GpuId, float] = {}
+        self._swap_in_rate: dict[GpuId, float] = {}  # bytes/s, smoothed, per GPU
 
     # ------------------------------------------------------------ public API
 
@@ -506,24 +520,71 @@ class Scheduler:
                 if not t.resident:
                     actions.append(SwapIn(t.id))
                     t.resident = True
-                t.starting = len(actions) > planned and t.state is S.WAITING
+                    t.swapping_in = True
+                moving = len(actions) > planned or t.swapping_in  # e.g. a prefetch still running
+                t.starting = moving and t.state is S.WAITING
+                t.prefetched = False
                 if t.state is S.WAITING:
                     actions.append(Ungate(t.id))
                 self._set_state(t, Trigger.GRANTED, now)
                 t.granted_at = now
             blocked |= need
-        # 5. ``checkpoint``: the other waiters' memory goes to host RAM, after the
+        # 5. Prefetch: the next in line comes back from host RAM before its turn.
+        queue = self._queue(gating, among)
+        for t in among:
+            plan = self._prefetch(t, gating, queue)
+            if plan is not None and now >= plan[1]:
+                nxt = plan[0]
+                actions.append(SwapIn(nxt.id))
+                nxt.resident = nxt.swapping_in = nxt.prefetched = True
+        # 6. ``checkpoint``: the other waiters' memory goes to host RAM, after the
         # new holders were let go (they fit beside it, so they need not wait).
         for t in among:
             if (
                 t.state is S.WAITING
                 and t.resident
+                and not t.prefetched
                 and t.swappable
                 and any(self._swap_mode(g) is SwapMode.CHECKPOINT for g in t.gpus & gating)
             ):
                 actions.append(SwapOut(t.id))
                 t.resident = False
         self._update_deadlines(gating, among, scope)
+
+    def _prefetch(
+        self, holder: _Tenant, gating: frozenset[GpuId], queue: list[_Tenant]
+    ) -> tuple[_Tenant, float] | None:
+        """The tenant to bring back before ``holder``'s quantum ends, and when.
+
+        Only the first in line on the holder's GPUs, only if it is in host RAM,
+        its footprint is known, and it fits beside every resident tenant (a
+        prefetch never evicts anyone).
+        """
+        if holder.state is not S.HOLDER or holder.starting or holder.granted_at is None:
+            return None
+        preempt = self._preempt_at(holder, gating)
+        if preempt is None:
+            return None
+        gpus = holder.gpus & gating
+        nxt = next((t for t in queue if t.gpus & gpus and t.state is S.WAITING), None)
+        if nxt is None or nxt.resident or not nxt.known or nxt.retry_at > self._now:
+            return None
+        seconds = PREFETCH_MARGIN_S
+        for gpu in nxt.gpus & gating:
+            policy = self._policies[gpu]
+            if policy.swap is SwapMode.NONE:
+                return None
+            room = policy.capacity_bytes - policy.reserve_bytes
+            used = sum(
+                self._tenants[tid].size(gpu)
+                for tid in self._by_gpu.get(gpu, ())
+                if self._tenants[tid].resident
+            )
+            if used + nxt.size(gpu) > room:
+                return None
+            rate = self._swap_in_rate.get(gpu, DEFAULT_SWAP_IN_BYTES_PER_S)
+            seconds = max(seconds, nxt.size(gpu) / rate + PREFETCH_MARGIN_S)
+        return nxt, preempt - seconds
 
     def _swap_mode(self, gpu: GpuId) -> SwapMode:
         policy = self._policies.get(gpu)
@@ -574,18 +635,25 @@ class Scheduler:
             return set()
         ledger = tenant.ledger
         ledger.swap_s += max(0.0, event.seconds)
+        if event.direction == "in":
+            tenant.swapping_in = False
         if event.ok:
             if event.direction == "out":
                 ledger.swapped_out_bytes += event.moved_bytes
             else:
                 ledger.swapped_in_bytes += event.moved_bytes
+                if event.seconds > 0 and event.moved_bytes > 0 and tenant.gpus:
+                    rate = event.moved_bytes / event.seconds / len(tenant.gpus)
+                    for gpu in tenant.gpus:
+                        old = self._swap_in_rate.get(gpu)
+                        self._swap_in_rate[gpu] = rate if old is None else (old + rate) / 2
             return set()
         if event.direction == "out":
             tenant.resident = True  # still on the card, gated: not chosen again for now
             tenant.swappable = False
             return set(tenant.gpus)
         tenant.resident = False
-        tenant.starting = False
+        tenant.starting = tenant.prefetched = False
         if tenant.state in (S.HOLDER, S.CORUNNING):
             self._set_state(tenant, Trigger.SWAP_IN_FAILED, now)
             tenant.granted_at = None
@@ -606,7 +674,14 @@ class Scheduler:
                 for gpu in t.gpus or (_NO_GPU,):
                     self._gpu_deadline.pop(gpu, None)
         wanted = self._wanted(gating, among)
+        queue = self._queue(gating, among)
         for t in among:
+            plan = self._prefetch(t, gating, queue)
+            if plan is not None and plan[1] > self._now:
+                for gpu in t.gpus or (_NO_GPU,):
+                    known = self._gpu_deadline.get(gpu)
+                    if known is None or plan[1] < known:
+                        self._gpu_deadline[gpu] = plan[1]
             if t.state is S.WAITING and t.retry_at > self._now:
                 for gpu in t.gpus or (_NO_GPU,):
                     known = self._gpu_deadline.get(gpu)

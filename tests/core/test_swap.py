@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kiwid.core.clock import FakeClock
 from kiwid.core.events import (
     Action,
@@ -92,10 +94,11 @@ def test_checkpoint_rotation_of_three_tenants_that_do_not_fit_together() -> None
     assert card.holder() == "b"
     assert card.resident() == {"b"}
     assert card.run(30) == [Gate("b"), SwapOut("b"), SwapIn("c"), Ungate("c")]
-    # a is known now (47.5 GiB) and fits beside c: restore a, let it run, THEN
-    # checkpoint c, so that a never waits for c's checkpoint.
-    assert card.run(30) == [Gate("c"), SwapIn("a"), Ungate("a"), SwapOut("c")]
-    assert card.run(30) == [Gate("a"), SwapIn("b"), Ungate("b"), SwapOut("a")]
+    # a is known now (47.5 GiB) and fits beside c: it is restored (prefetched)
+    # before c's quantum ends, let go at once, and c is checkpointed after, so
+    # that a waits neither for its own restore nor for c's checkpoint.
+    assert card.run(30) == [SwapIn("a"), Gate("c"), Ungate("a"), SwapOut("c")]
+    assert card.run(30) == [SwapIn("b"), Gate("a"), Ungate("b"), SwapOut("a")]
     assert card.resident() == {"b"}
 
 
@@ -105,8 +108,8 @@ def test_auto_swaps_only_what_the_next_tenant_needs() -> None:
     assert card.join("b", 30) == [Gate("b")]  # queued, its memory stays
     # b's first turn needs the whole card: a goes out first.
     assert card.run(30) == [Gate("a"), SwapOut("a"), Ungate("b")]
-    # a (30 GiB, known) fits beside b: it comes back, b stays on the card.
-    assert card.run(30) == [Gate("b"), SwapIn("a"), Ungate("a")]
+    # a (30 GiB, known) fits beside b: it comes back ahead of its turn, b stays.
+    assert card.run(30) == [SwapIn("a"), Gate("b"), Ungate("a")]
     # From now on both are resident and hand-overs move no memory.
     assert card.run(30) == [Gate("a"), Ungate("b")]
     assert card.run(30) == [Gate("b"), Ungate("a")]
@@ -249,10 +252,42 @@ def test_a_holder_whose_memory_is_moving_starts_its_quantum_when_let_go() -> Non
     # Its first idle window and its quantum count from now.
     assert deadline == card.clock.now() + card.policy.idle_release_s
     let_go = card.clock.now()
-    out = []
+    out: list[Action] = []
     while card.holder() == "b":  # b busy all along; a waits
         card.clock.advance(1)
         card.sched.handle(ActivitySeen("b"), card.clock.now())
-        out = card.sched.handle(Tick(), card.clock.now())
+        out += card.sched.handle(Tick(), card.clock.now())
     assert card.clock.now() - let_go == card.policy.tq_s  # a full quantum of running
-    assert out[:2] == [Gate("b"), SwapIn("a")]
+    assert out.index(SwapIn("a")) < out.index(Gate("b"))
+
+
+def test_the_next_in_line_is_prefetched_by_its_restore_time_before_the_turn() -> None:
+    card = Card(SwapMode.CHECKPOINT)
+    card.join("a", 40)
+    card.join("b", 40)
+    card.run(30)  # b's first turn
+    # b restores at 8 GB/s in the shell's report: the core learns the rate.
+    card.do(SwapFinished("b", "in", ok=True, moved_bytes=40 * GiB, seconds=40 * GiB / 8e9))
+    start = card.clock.now()
+    seen: list[tuple[float, Action]] = []
+    while not any(a == Ungate("a") for _, a in seen):
+        deadline = card.sched.next_deadline()
+        assert deadline is not None
+        card.clock.advance(max(0.0, min(1.0, deadline - card.clock.now())) or 1e-3)
+        card.do(ActivitySeen("b"))
+        seen += [(card.clock.now() - start, a) for a in card.do(Tick())]
+    at = {a: t for t, a in reversed(seen)}
+    # Prefetched 40 GiB / 8 GB/s + 1 s before b's quantum ends; let go at its end.
+    assert at[SwapIn("a")] == pytest.approx(30 - (40 * GiB / 8e9 + 1), abs=1e-6)
+    assert at[Ungate("a")] == 30
+    assert [a for _, a in seen] == [SwapIn("a"), Gate("b"), Ungate("a"), SwapOut("b")]
+
+
+def test_no_prefetch_that_would_not_fit_beside_the_resident() -> None:
+    card = Card(SwapMode.AUTO, capacity_gib=101)  # room 100 GiB
+    card.join("a", 60)
+    card.join("b", 60)
+    card.run(30)  # b's first turn: a out
+    out = card.run(30)
+    # a (60) does not fit beside b (60): no early restore; b must go first.
+    assert out == [Gate("b"), SwapOut("b"), SwapIn("a"), Ungate("a")]

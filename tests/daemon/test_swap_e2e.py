@@ -85,6 +85,21 @@ def swap_lines(k: Kiwid) -> list[tuple[str, str]]:
     return re.findall(r"Swapped (out|in) (?:\S+ \()?(cgroup:/\S+?)\)?: ", k.log_text())
 
 
+def a_holds_b_waits(start_kiwid, tenants, workdir: Path, *, swapped_out: bool = True, **kw):
+    """Start kiwid: tenant ``a`` (4 GiB) holds the GPU and ``b`` (4 GiB) is queued.
+
+    By default it returns once b's memory is in host RAM.
+    """
+    k = start(start_kiwid, workdir, **kw)
+    a, b = tenants("a"), tenants("b")
+    k.attach(a.pid, memory=TENANT)
+    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
+    k.attach(b.pid, memory=TENANT)
+    if swapped_out:
+        wait_for(lambda: swapped(workdir, b), 5, "b's memory in host RAM")
+    return k, a, b
+
+
 def test_three_tenants_larger_than_the_card_rotate_through_host_ram(
     start_kiwid, tenants, workdir
 ) -> None:
@@ -131,11 +146,7 @@ def test_three_tenants_larger_than_the_card_rotate_through_host_ram(
 
 def test_status_answers_during_a_long_swap_and_shows_it(start_kiwid, tenants, workdir) -> None:
     # 4 GiB out at 1 GB/s: a swap of about 4.3 s.
-    k = start(start_kiwid, workdir, tq=30, out=1)
-    a, b = tenants("a"), tenants("b")
-    k.attach(a.pid, memory=TENANT)
-    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
-    k.attach(b.pid, memory=TENANT)
+    k, _a, b = a_holds_b_waits(start_kiwid, tenants, workdir, swapped_out=False, tq=30, out=1)
     swap = wait_for(lambda: k.status()["gpus"][0]["swap"], 5, "a swap in progress")
     assert (swap["tenant"], swap["direction"], swap["bytes"]) == (b.key, "out", TENANT)
     started = time.monotonic()
@@ -154,12 +165,7 @@ def test_status_answers_during_a_long_swap_and_shows_it(start_kiwid, tenants, wo
 def test_after_sigkill_a_restart_keeps_the_swapped_tenant_and_brings_it_back(
     start_kiwid, tenants, workdir
 ) -> None:
-    k = start(start_kiwid, workdir, tq=3)
-    a, b = tenants("a"), tenants("b")
-    k.attach(a.pid, memory=TENANT)
-    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
-    k.attach(b.pid, memory=TENANT)
-    wait_for(lambda: swapped(workdir, b), 5, "b's memory in host RAM")
+    k, _a, b = a_holds_b_waits(start_kiwid, tenants, workdir, tq=3)
     record = json.loads((workdir / "state" / "state.json").read_text())["gated"][b.key]
     assert record["swapped"] == {"0": TENANT}
     k.proc.kill()
@@ -177,12 +183,7 @@ def test_after_sigkill_a_restart_keeps_the_swapped_tenant_and_brings_it_back(
 
 
 def test_recover_restores_and_thaws_a_swapped_tenant(start_kiwid, tenants, workdir) -> None:
-    k = start(start_kiwid, workdir, tq=30)
-    a, b = tenants("a"), tenants("b")
-    k.attach(a.pid, memory=TENANT)
-    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
-    k.attach(b.pid, memory=TENANT)
-    wait_for(lambda: swapped(workdir, b), 5, "b's memory in host RAM")
+    k, _a, b = a_holds_b_waits(start_kiwid, tenants, workdir, tq=30)
     k.proc.kill()
     k.proc.wait()
     out = subprocess.run(
@@ -285,12 +286,7 @@ def test_a_long_swap_on_one_gpu_does_not_hold_up_a_hand_over_on_another(
 
 
 def test_a_swapped_tenant_that_died_is_dropped_at_stop(start_kiwid, tenants, workdir) -> None:
-    k = start(start_kiwid, workdir, tq=30)
-    a, b = tenants("a"), tenants("b")
-    k.attach(a.pid, memory=TENANT)
-    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
-    k.attach(b.pid, memory=TENANT)
-    wait_for(lambda: swapped(workdir, b), 5, "b's memory in host RAM")
+    k, _a, b = a_holds_b_waits(start_kiwid, tenants, workdir, tq=30)
     b.proc.kill()
     b.proc.wait()
     assert k.stop(signal.SIGTERM) == 0, k.log_text()

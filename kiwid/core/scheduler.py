@@ -458,7 +458,10 @@ class Scheduler:
         """When a holder or co-runner without further activity goes idle."""
         if tenant.starting:
             return math.inf  # not let go yet: it cannot have shown activity
-        start = max(t for t in (tenant.granted_at, tenant.last_active) if t is not None)
+        start = max(
+            (t for t in (tenant.granted_at, tenant.last_active) if t is not None),
+            default=self._now,  # e.g. a tenant queued from host RAM, never seen active
+        )
         return start + self._policy_of(tenant).idle_release_s
 
     def _reconcile(self, now: float, actions: list[Action], scope: set[GpuId] | None) -> None:
@@ -595,8 +598,9 @@ class Scheduler:
     ) -> None:
         """Swap out resident non-holders, least recently run first, until ``tenant`` fits.
 
-        A tenant that never held the GPU needs the whole card (its footprint is
-        unknown until its first turn); a known one, the peak it used before.
+        A tenant that never held the GPU gets the whole card (its footprint is
+        unknown until its first turn): every other resident non-holder goes. A
+        known one needs the peak it used before.
         Room is made only on GPUs that swap; without enough swappable tenants
         the grant goes ahead anyway (the reserve and the driver decide).
         """
@@ -614,12 +618,16 @@ class Scheduler:
             ]
             used = sum(o.size(gpu) for o in others)
             candidates = sorted(
-                (o for o in others if o.state in (S.WAITING, S.IDLE) and o.swappable),
+                (
+                    o
+                    for o in others
+                    if o.state in (S.WAITING, S.IDLE) and o.swappable and o.size(gpu)
+                ),  # (a tenant with no memory on the card has nothing to give)
                 key=lambda o: (o.last_run, o.seq),
             )
             for victim in candidates:
-                if need + used <= room:
-                    break
+                if tenant.known and need + used <= room:
+                    break  # a newcomer gets the card to itself: everyone goes
                 used -= victim.size(gpu)
                 evicted.add(victim.id)
                 if victim.state is S.IDLE:  # it must be gated before it can be swapped

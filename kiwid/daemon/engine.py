@@ -438,6 +438,9 @@ class Engine:
             log.warning("Swap %s of %s not done: %s", direction, who, why)
             self.swap_refusals[tenant] = why
             return failed
+        if direction == "in" and not record.swapped:
+            # Its swap-out (queued before) failed: the memory never left.
+            return SwapFinished(tenant, direction, ok=True)
         peak = self.scheduler.peak(tenant)
         if direction == "out":
             sizes = {g: info.footprint.get(g) or peak.get(g, 0) for g in info.gpus}

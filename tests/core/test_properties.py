@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from hypothesis import given, settings
@@ -14,12 +15,16 @@ from kiwid.core.events import (
     FootprintSeen,
     Gate,
     GpusConfigured,
+    SwapFinished,
+    SwapIn,
+    SwapOut,
     TenantAttached,
     TenantDetached,
     Tick,
     Ungate,
+    Ungated,
 )
-from kiwid.core.model import GpuPolicy, Mode, TenantState
+from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
 from kiwid.core.scheduler import Scheduler
 
 GiB = 2**30
@@ -37,9 +42,14 @@ policies = st.builds(
 )
 gpu_sets = st.frozensets(st.sampled_from(GPUS), min_size=1, max_size=3)
 tenants = st.sampled_from(TENANTS)
+# Scripts start with a few tenants attached, then mostly activity and time, so that
+# bursts overlap and tenants queue, are gated and rotate in most examples (random
+# steps alone rarely got two tenants bursting on one GPU).
+openings = st.lists(st.builds(TenantAttached, tenants, gpu_sets), min_size=2, max_size=6)
 steps = st.one_of(
     st.builds(TenantAttached, tenants, gpu_sets),
     st.builds(TenantDetached, tenants),
+    st.builds(ActivitySeen, tenants),
     st.builds(ActivitySeen, tenants),
     st.builds(ActivitySeen, tenants),
     st.builds(
@@ -47,6 +57,7 @@ steps = st.one_of(
     ),
     st.builds(GpusConfigured, st.fixed_dictionaries(dict.fromkeys(GPUS, policies))),
     st.floats(0.01, 40.0),  # time passes
+    st.floats(0.01, 40.0),
 )
 
 
@@ -138,12 +149,16 @@ class Run:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.fixed_dictionaries(dict.fromkeys(GPUS, policies)), st.lists(steps, max_size=80))
+@given(
+    st.fixed_dictionaries(dict.fromkeys(GPUS, policies)),
+    openings,
+    st.lists(steps, min_size=10, max_size=80),
+)
 def test_invariants_hold_over_random_event_sequences(
-    initial: dict[str, GpuPolicy], script: list[Event | float]
+    initial: dict[str, GpuPolicy], opening: list[Event], script: list[Event | float]
 ) -> None:
     run = Run(Scheduler(initial))
-    for step in script:
+    for step in [*opening, *script]:
         if isinstance(step, float):
             run.pass_time(step)
         else:
@@ -179,3 +194,128 @@ def test_no_starvation_every_waiter_is_granted_within_bound(
             if run.sched.tenant_state(name) is not S.WAITING:
                 run.feed(ActivitySeen(name))
     assert run.longest_wait <= (n - 1) * tq + 1e-9
+
+
+swap_policies = st.builds(
+    GpuPolicy,
+    tq_s=st.sampled_from([1.0, 5.0, 30.0]),
+    idle_release_s=st.sampled_from([0.5, 5.0]),
+    mode=st.sampled_from([Mode.EXCLUSIVE, Mode.EXCLUSIVE, Mode.AUTO, Mode.OFF]),
+    capacity_bytes=st.just(80 * GiB),
+    reserve_bytes=st.just(GiB),
+    swap=st.sampled_from([SwapMode.CHECKPOINT, SwapMode.AUTO, SwapMode.NONE]),
+)
+swap_steps = st.one_of(
+    st.builds(TenantAttached, tenants, gpu_sets),
+    st.builds(TenantDetached, tenants),
+    st.builds(ActivitySeen, tenants),
+    st.builds(ActivitySeen, tenants),
+    st.builds(ActivitySeen, tenants),
+    st.builds(
+        FootprintSeen, tenants, st.sampled_from(GPUS), st.integers(0, 60).map(lambda g: g * GiB)
+    ),
+    st.builds(GpusConfigured, st.fixed_dictionaries(dict.fromkeys(GPUS, swap_policies))),
+    st.floats(0.01, 40.0),
+    st.floats(0.01, 40.0),
+)
+
+
+@dataclass
+class Shell:
+    """Carries out actions like the daemon's engine and checks that memory moves safely.
+
+    Each event's actions are one batch; batches run in order, and what a batch
+    reports back (``SwapFinished``, ``Ungated``) goes to the core at once while
+    the actions that follow from it queue behind the batch, as in the engine.
+    Swaps succeed or fail as ``fates`` say; a failed swap-in leaves its tenant
+    gated (the engine skips its ungate), and a swap-in of memory that never left
+    is a no-op, as it is for the daemon's swappers. The model of what is gated and what
+    is in host RAM checks every action against the real world.
+    """
+
+    sched: Scheduler
+    fates: list[bool]
+    now: float = 0.0
+    gated: set[str] = field(default_factory=set)
+    out: set[str] = field(default_factory=set)
+    swaps: int = 0
+    queue: deque[list[Action]] = field(default_factory=deque)
+
+    def feed(self, event: Event) -> None:
+        self._apply(event)
+        while self.queue:
+            self._run(self.queue.popleft())
+        view = self.sched.view(self.now)
+        assert {t.tenant for t in view.tenants if not t.resident} == self.out
+        for gpu in view.gpus:
+            if gpu.holder is not None:
+                assert gpu.holder not in self.out, f"holder {gpu.holder} in host RAM"
+
+    def _apply(self, event: Event) -> None:
+        if isinstance(event, TenantDetached):
+            self.gated.discard(event.tenant)
+            self.out.discard(event.tenant)
+        actions = self.sched.handle(event, self.now)
+        if actions:
+            self.queue.append(actions)
+
+    def _run(self, batch: list[Action]) -> None:
+        stuck: set[str] = set()
+        for action in batch:
+            t = action.tenant
+            if t not in self.sched.tenant_ids():
+                continue  # left meanwhile: the engine's action finds nothing to do
+            if isinstance(action, Gate):
+                assert t not in self.gated, f"double gate {action}"
+                self.gated.add(t)
+            elif isinstance(action, SwapOut | SwapIn):
+                assert t in self.gated, f"{action} of a tenant that runs"
+                # A swap-in may find the memory still on the card (its swap-out,
+                # queued earlier, failed): the swappers take that as done.
+                assert isinstance(action, SwapIn) or t not in self.out, f"{action} twice"
+                if isinstance(action, SwapIn) and t not in self.out:
+                    self._apply(SwapFinished(t, "in", ok=True))  # nothing to bring back
+                    continue
+                ok = self.fates[self.swaps % len(self.fates)]
+                self.swaps += 1
+                if ok:
+                    (self.out.add if isinstance(action, SwapOut) else self.out.discard)(t)
+                elif isinstance(action, SwapIn):
+                    stuck.add(t)
+                direction = "out" if isinstance(action, SwapOut) else "in"
+                self._apply(SwapFinished(t, direction, ok, GiB if ok else 0, 0.5))
+            elif t not in stuck:
+                assert isinstance(action, Ungate)
+                assert t in self.gated, f"ungate of an ungated {action}"
+                assert t not in self.out, f"{t} let go while its memory is in host RAM"
+                self.gated.discard(t)
+                self._apply(Ungated(t))
+
+    def pass_time(self, seconds: float) -> None:
+        end = self.now + seconds
+        while (deadline := self.sched.next_deadline()) is not None and deadline <= end:
+            self.now = max(self.now, deadline)
+            self.feed(Tick())
+        self.now = end
+        self.feed(Tick())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.fixed_dictionaries(dict.fromkeys(GPUS, swap_policies)),
+    openings,
+    st.lists(swap_steps, min_size=10, max_size=80),
+    st.lists(st.booleans(), min_size=1, max_size=8),
+)
+def test_memory_moves_only_while_gated_and_nobody_runs_from_host_ram(
+    initial: dict[str, GpuPolicy],
+    opening: list[Event],
+    script: list[Event | float],
+    fates: list[bool],
+) -> None:
+    shell = Shell(Scheduler(initial), fates)
+    for step in [*opening, *script]:
+        if isinstance(step, float):
+            shell.pass_time(step)
+        else:
+            shell.feed(step)

@@ -183,12 +183,16 @@ class Scheduler:
                 if known is None:
                     known = _Tenant(tid, gpus, next(self._seq), state_since=now)
                     self._tenants[tid] = known
+                    self._index(known)
                     scope = set(gpus)
                 else:
                     scope = set(known.gpus | gpus)
+                    added = gpus - known.gpus
                     self._unindex(known)
                     known.gpus = gpus
-                self._index(known)
+                    self._index(known)
+                    if known.state is S.HOLDER and added:
+                        self._yield_if_taken(known, added, now, actions)
             case TenantDetached(tenant=tid):
                 gone = self._tenants.pop(tid, None)
                 if gone is not None:
@@ -418,6 +422,21 @@ class Scheduler:
         else:
             self._set_state(tenant, Trigger.BURST_FREE, now)
             tenant.granted_at = now
+
+    def _yield_if_taken(
+        self, holder: _Tenant, added: frozenset[GpuId], now: float, actions: list[Action]
+    ) -> None:
+        """Gate and queue a holder that now also uses GPUs someone else claims.
+
+        It cannot hold all of its GPUs now; it holds them later, in its turn.
+        """
+        gating = self._gating(added)
+        others = [t for t in self._closure(set(added)) if t is not holder]
+        if added & self._claimed(gating, others):
+            self._set_state(holder, Trigger.PREEMPTED, now)
+            holder.granted_at = None
+            holder.seq = next(self._seq)
+            actions.append(Gate(holder.id))
 
     def _claimed(self, gating: frozenset[GpuId], among: Iterable[_Tenant]) -> set[GpuId]:
         """Gated GPUs that a holder holds or that an earlier burst is queued for."""

@@ -265,3 +265,17 @@ def test_ledger_counts_quanta_preemptions_and_early_releases() -> None:
     assert a.quanta == 2
     assert a.early_releases == 1
     assert a.holding_s + a.waiting_s + a.idle_s == 70
+
+
+def test_a_holder_that_moves_onto_a_claimed_gpu_is_queued_not_doubled() -> None:
+    # Found by the property test: a holder whose process moved to another GPU
+    # and back would hold GPU 0 beside the tenant granted meanwhile.
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    assert h.state("b") is S.WAITING
+    h.do(TenantAttached("a", frozenset({"1"})))  # a left GPU 0: b's turn
+    assert h.state("b") is S.HOLDER
+    out = h.do(TenantAttached("a", frozenset({"0"})))  # back onto b's GPU
+    assert out == [Gate("a")]
+    assert h.state("a") is S.WAITING and h.state("b") is S.HOLDER

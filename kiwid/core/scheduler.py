@@ -513,6 +513,19 @@ class Scheduler:
                     t.last_active = now  # a fresh window to show activity
                 self._set_state(t, Trigger.GATING_STOPPED, now)
                 t.granted_at = None
+        # 2b. A GPU that started gating (mode change) may have several holders,
+        # each granted while it did not gate: the first granted keeps it.
+        held: set[GpuId] = set()
+        holders = [t for t in among if t.state is S.HOLDER]
+        for t in sorted(holders, key=lambda t: (t.granted_at or 0.0, t.seq)):
+            mine = t.gpus & gating
+            if mine & held:
+                self._set_state(t, Trigger.PREEMPTED, now)
+                t.granted_at = None
+                t.seq = next(self._seq)
+                actions.append(Gate(t.id))
+            else:
+                held |= mine
         # 3. Preemption: quantum over and someone waits.
         wanted = self._wanted(gating, among)
         for t in [t for t in among if t.state is S.HOLDER]:

@@ -279,3 +279,19 @@ def test_a_holder_that_moves_onto_a_claimed_gpu_is_queued_not_doubled() -> None:
     out = h.do(TenantAttached("a", frozenset({"0"})))  # back onto b's GPU
     assert out == [Gate("a")]
     assert h.state("a") is S.WAITING and h.state("b") is S.HOLDER
+
+
+def test_when_a_gpu_starts_gating_only_one_of_its_holders_keeps_it() -> None:
+    # Found by the property test: GPU 0 in "auto" (fits, not gating) let two
+    # tenants hold their other GPUs while both used 0; "exclusive" again must
+    # not leave both running on it.
+    h = Harness()
+    auto = GpuPolicy(tq_s=30, idle_release_s=5, mode=Mode.AUTO)
+    h.do(GpusConfigured({"0": auto, "1": h.policy, "2": h.policy}))
+    h.attach("a", gpus=("0", "1"))
+    h.attach("b", gpus=("0", "2"))
+    h.active("a", "b")
+    assert h.state("a") is S.HOLDER and h.state("b") is S.HOLDER
+    out = h.do(GpusConfigured({"0": h.policy, "1": h.policy, "2": h.policy}))
+    assert out == [Gate("b")]
+    assert h.state("a") is S.HOLDER and h.state("b") is S.WAITING

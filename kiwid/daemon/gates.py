@@ -161,6 +161,11 @@ class CudaLockGate:
         done: list[int] = []
         for pid in record.pids:
             try:
+                # Already locked (or in host RAM): a previous kiwid gated it and
+                # this one re-adopts it. Locking again would fail, and dropping
+                # the record then would strand it.
+                if self._lock.state(pid) is not ProcessState.RUNNING:
+                    continue
                 self._lock.lock(pid, self._timeout_ms)
             except CudaLockError as err:
                 for locked in done:

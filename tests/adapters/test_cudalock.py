@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 import sys
@@ -254,3 +255,20 @@ def test_lock_and_unlock_a_real_cuda_process() -> None:
     finally:
         child.kill()
         child.wait(timeout=10)
+
+
+def test_the_gate_re_adopts_a_process_that_is_already_locked(stubs: dict[str, Path]) -> None:
+    # A restarted kiwid gates the waiters a previous one left locked: that must
+    # succeed (not fail and drop the record), and ungating must still unlock.
+    from kiwid.daemon.gates import CudaLockGate  # noqa: PLC0415
+    from kiwid.daemon.state import GatedRecord  # noqa: PLC0415
+
+    cuda = CudaLock(str(stubs["full"]))
+    gate = CudaLockGate(cuda)
+    pid = os.getpid()  # a live process (the stub keeps one state for any PID)
+    record = GatedRecord(f"pid:{pid}", "cuda-lock", None, None, (pid,))
+    cuda.lock(pid, timeout_ms=100)  # left locked by a previous kiwid
+    gate.gate(record)
+    assert cuda.state(pid) is ProcessState.LOCKED
+    gate.ungate(record)
+    assert cuda.state(pid) is ProcessState.RUNNING

@@ -94,6 +94,9 @@ class _Tenant:
     state_since: float = 0.0
     last_active: float | None = None
     granted_at: float | None = None
+    claim: int = -1
+    """Order of its claim on the GPUs it holds now: its grant, or a later change of
+    its GPUs (a counter, so that claims at the same instant are still ordered)."""
     footprint: dict[GpuId, int | None] = field(default_factory=dict)
     ledger: Ledger = field(default_factory=Ledger)
     resident: bool = True
@@ -140,6 +143,7 @@ class Scheduler:
         # Bounded: a caller that never drains (a benchmark) must not grow it forever.
         self._transitions: deque[Transition] = deque(maxlen=4096)
         self._seq = itertools.count()
+        self._claims = itertools.count()
         self._now = -math.inf
         # Per GPU, the earliest time one of its tenants needs a Tick. It may be
         # stale-early (activity moved a deadline later): that costs one scoped
@@ -187,12 +191,11 @@ class Scheduler:
                     scope = set(gpus)
                 else:
                     scope = set(known.gpus | gpus)
-                    added = gpus - known.gpus
+                    if gpus - known.gpus:
+                        known.claim = next(self._claims)  # the newest claim yields a conflict
                     self._unindex(known)
                     known.gpus = gpus
                     self._index(known)
-                    if known.state is S.HOLDER and added:
-                        self._yield_if_taken(known, added, now, actions)
             case TenantDetached(tenant=tid):
                 gone = self._tenants.pop(tid, None)
                 if gone is not None:
@@ -399,6 +402,7 @@ class Scheduler:
         if new is S.HOLDER:
             ledger.quanta += 1
             tenant.last_run = now
+            tenant.claim = next(self._claims)
             tenant.swappable = True
         elif trigger is Trigger.PREEMPTED:
             ledger.preempted += 1
@@ -422,21 +426,6 @@ class Scheduler:
         else:
             self._set_state(tenant, Trigger.BURST_FREE, now)
             tenant.granted_at = now
-
-    def _yield_if_taken(
-        self, holder: _Tenant, added: frozenset[GpuId], now: float, actions: list[Action]
-    ) -> None:
-        """Gate and queue a holder that now also uses GPUs someone else claims.
-
-        It cannot hold all of its GPUs now; it holds them later, in its turn.
-        """
-        gating = self._gating(added)
-        others = [t for t in self._closure(set(added)) if t is not holder]
-        if added & self._claimed(gating, others):
-            self._set_state(holder, Trigger.PREEMPTED, now)
-            holder.granted_at = None
-            holder.seq = next(self._seq)
-            actions.append(Gate(holder.id))
 
     def _claimed(self, gating: frozenset[GpuId], among: Iterable[_Tenant]) -> set[GpuId]:
         """Gated GPUs that a holder holds or that an earlier burst is queued for."""
@@ -513,11 +502,12 @@ class Scheduler:
                     t.last_active = now  # a fresh window to show activity
                 self._set_state(t, Trigger.GATING_STOPPED, now)
                 t.granted_at = None
-        # 2b. A GPU that started gating (mode change) may have several holders,
-        # each granted while it did not gate: the first granted keeps it.
+        # 2b. A GPU may have several holders: it started gating (a mode change)
+        # under tenants granted while it did not, or a holder's process moved onto
+        # it. The oldest claim keeps it; the others are gated and queued.
         held: set[GpuId] = set()
         holders = [t for t in among if t.state is S.HOLDER]
-        for t in sorted(holders, key=lambda t: (t.granted_at or 0.0, t.seq)):
+        for t in sorted(holders, key=lambda t: t.claim):
             mine = t.gpus & gating
             if mine & held:
                 self._set_state(t, Trigger.PREEMPTED, now)

@@ -46,19 +46,29 @@ tenants = st.sampled_from(TENANTS)
 # bursts overlap and tenants queue, are gated and rotate in most examples (random
 # steps alone rarely got two tenants bursting on one GPU).
 openings = st.lists(st.builds(TenantAttached, tenants, gpu_sets), min_size=2, max_size=6)
-steps = st.one_of(
-    st.builds(TenantAttached, tenants, gpu_sets),
-    st.builds(TenantDetached, tenants),
-    st.builds(ActivitySeen, tenants),
-    st.builds(ActivitySeen, tenants),
-    st.builds(ActivitySeen, tenants),
-    st.builds(
-        FootprintSeen, tenants, st.sampled_from(GPUS), st.integers(0, 60).map(lambda g: g * GiB)
-    ),
-    st.builds(GpusConfigured, st.fixed_dictionaries(dict.fromkeys(GPUS, policies))),
-    st.floats(0.01, 40.0),  # time passes
-    st.floats(0.01, 40.0),
-)
+
+
+def steps_with(gpu_policies: st.SearchStrategy[GpuPolicy]) -> st.SearchStrategy[Event | float]:
+    """Random steps: tenants come, go and burst, footprints and policies change, time passes."""
+    return st.one_of(
+        st.builds(TenantAttached, tenants, gpu_sets),
+        st.builds(TenantDetached, tenants),
+        st.builds(ActivitySeen, tenants),
+        st.builds(ActivitySeen, tenants),
+        st.builds(ActivitySeen, tenants),
+        st.builds(
+            FootprintSeen,
+            tenants,
+            st.sampled_from(GPUS),
+            st.integers(0, 60).map(lambda g: g * GiB),
+        ),
+        st.builds(GpusConfigured, st.fixed_dictionaries(dict.fromkeys(GPUS, gpu_policies))),
+        st.floats(0.01, 40.0),  # time passes
+        st.floats(0.01, 40.0),
+    )
+
+
+steps = steps_with(policies)
 
 
 @dataclass
@@ -205,19 +215,7 @@ swap_policies = st.builds(
     reserve_bytes=st.just(GiB),
     swap=st.sampled_from([SwapMode.CHECKPOINT, SwapMode.AUTO, SwapMode.NONE]),
 )
-swap_steps = st.one_of(
-    st.builds(TenantAttached, tenants, gpu_sets),
-    st.builds(TenantDetached, tenants),
-    st.builds(ActivitySeen, tenants),
-    st.builds(ActivitySeen, tenants),
-    st.builds(ActivitySeen, tenants),
-    st.builds(
-        FootprintSeen, tenants, st.sampled_from(GPUS), st.integers(0, 60).map(lambda g: g * GiB)
-    ),
-    st.builds(GpusConfigured, st.fixed_dictionaries(dict.fromkeys(GPUS, swap_policies))),
-    st.floats(0.01, 40.0),
-    st.floats(0.01, 40.0),
-)
+swap_steps = steps_with(swap_policies)
 
 
 @dataclass

@@ -1114,6 +1114,37 @@ PIP_HINT = (
 )
 
 
+def preflight(args: argparse.Namespace, layout: Layout) -> bool:
+    """Log the modules found; unless ``--dry-run``, log what stops a run. Ready?
+
+    Shared with swap.py: torch and nvidia-ml-py (not needed for ``--rehearse``),
+    kiwid's dependencies, root, and a cgroup hierarchy to put workers in.
+    """
+    missing_deps = missing_kiwid_deps()
+    log(
+        f"modules: torch {'ok' if have('torch') else 'MISSING'}, "
+        f"nvidia-ml-py (pynvml) {'ok' if have('pynvml') else 'MISSING'}, "
+        f"kiwid deps {'ok' if not missing_deps else 'MISSING ' + ', '.join(missing_deps)}"
+    )
+    if args.dry_run:
+        return True
+    problems = []
+    missing_mods = [m for m in ("torch", "pynvml") if not have(m)]
+    if missing_mods and not args.rehearse:
+        problems.append(
+            f"missing modules {missing_mods} (this script needs torch and nvidia-ml-py)"
+        )
+    if missing_deps:
+        problems.append(PIP_HINT.format(exe=sys.executable))
+    if os.geteuid() != 0:
+        problems.append("not root: creating and gating cgroups needs root")
+    if layout.v2 is None and layout.v1 is None:
+        problems.append("no cgroup2 mount and no v1 freezer")
+    for problem in problems:
+        log("ERROR: " + problem)
+    return not problems
+
+
 def vendor_deps(target: Path) -> int:
     """Copy kiwid's dependencies from this python into ``target`` (for a machine without)."""
     import platform  # noqa: PLC0415
@@ -1398,31 +1429,10 @@ def main() -> int:
         kind = f"kiwid gate={s.gate} tq={s.tq:g}" if s.kiwid else "no kiwid"
         log(f"  {s.name} x{s.workers}: {kind}; warm-up {s.warmup:g} s + window {s.window:g} s")
 
-    missing_mods = [m for m in ("torch", "pynvml") if not have(m)]
-    missing_deps = missing_kiwid_deps()
-    log(
-        f"modules: torch {'ok' if have('torch') else 'MISSING'}, "
-        f"nvidia-ml-py (pynvml) {'ok' if have('pynvml') else 'MISSING'}, "
-        f"kiwid deps {'ok' if not missing_deps else 'MISSING ' + ', '.join(missing_deps)}"
-    )
     layout = Layout.detect()
     log(f"cgroups: {layout}; root: {os.geteuid() == 0}")
-    if not args.dry_run:
-        problems = []
-        if missing_mods and not args.rehearse:
-            problems.append(
-                f"missing modules {missing_mods} (this script needs torch and nvidia-ml-py)"
-            )
-        if missing_deps:
-            problems.append(PIP_HINT.format(exe=sys.executable))
-        if os.geteuid() != 0:
-            problems.append("not root: creating and freezing cgroups needs root")
-        if layout.v2 is None and layout.v1 is None:
-            problems.append("no cgroup2 mount and no v1 freezer")
-        if problems:
-            for p in problems:
-                log("ERROR: " + p)
-            return 2
+    if not preflight(args, layout):
+        return 2
 
     bench = Bench(args, layout, outdir)
     results: list[Result] = []

@@ -43,7 +43,6 @@ from typing import Any
 
 import enforcement as enf
 from enforcement import (
-    PIP_HINT,
     SOCK,
     STATE,
     WORK,
@@ -53,7 +52,6 @@ from enforcement import (
     Worker,
     check_config,
     clean_start,
-    have,
     kiwid_recover,
     log,
     merge,
@@ -1243,32 +1241,14 @@ def main() -> int:
     log(f"repo {enf.REPO}; output {outdir}; work dir {WORK}")
     for line in plan_lines(args):
         log("plan: " + line)
-    missing_deps = missing_kiwid_deps()
-    log(
-        f"modules: torch {'ok' if have('torch') else 'MISSING'}, "
-        f"nvidia-ml-py (pynvml) {'ok' if have('pynvml') else 'MISSING'}, "
-        f"kiwid deps {'ok' if not missing_deps else 'MISSING ' + ', '.join(missing_deps)}"
-    )
     layout = Layout.detect()
     avail, total = host_available(), host_total()
     log(
         f"cgroups: {layout}; root: {os.geteuid() == 0}; host RAM {(total or 0) / GIB:.0f} GiB, "
         f"{(avail or 0) / GIB:.0f} GiB available"
     )
-    if not args.dry_run:
-        problems = []
-        if not args.rehearse and not (have("torch") and have("pynvml")):
-            problems.append("this script needs torch and nvidia-ml-py (pynvml)")
-        if missing_deps:
-            problems.append(PIP_HINT.format(exe=sys.executable))
-        if os.geteuid() != 0:
-            problems.append("not root: creating cgroups needs root")
-        if layout.v2 is None and layout.v1 is None:
-            problems.append("no cgroup2 mount and no v1 freezer")
-        if problems:
-            for p in problems:
-                log("ERROR: " + p)
-            return 2
+    if not enf.preflight(args, layout):
+        return 2
     swapped = (args.tenants - 1) * (args.gib + args.overhead_gib) * GIB
     if not args.dry_run and avail is not None and avail < swapped + args.host_floor_mib * 2**20:
         log(

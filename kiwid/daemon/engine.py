@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -185,9 +184,7 @@ class Engine:
     async def apply(self, events: Iterable[Event]) -> None:
         """Feed ``events`` to the scheduler and carry out its actions, in order."""
         async with self._lock:
-            queue = deque(events)
-            while queue:
-                event = queue.popleft()
+            for event in events:
                 now = self._clock()
                 if isinstance(event, TenantDetached):
                     self._depart(event.tenant, now)
@@ -197,6 +194,8 @@ class Engine:
                     self.generation += 1
                 for change in transitions:
                     self._log_transition(change)
+                if not actions and not isinstance(event, TenantDetached):
+                    continue  # the poll's usual event: nothing to carry out
                 batch: list[_Job] = []
                 if isinstance(event, TenantDetached):
                     batch.append(_Forget(event.tenant))

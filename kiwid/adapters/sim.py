@@ -492,7 +492,9 @@ def _persisted_entries(doc: object) -> list[Any]:
 def swap_in_persisted(path: Path, pids: Sequence[int]) -> bool:
     """Bring ``pids`` back in a persist file, without a running daemon (recover).
 
-    All or nothing, and only if they fit beside the live resident processes.
+    All or nothing, and only if they fit beside the live resident processes: the
+    file is loaded into a :class:`SimBackend` (which drops exited processes), the
+    swap-in done there, and the result saved back.
 
     Returns:
         Whether the file listed any of them as swapped out.
@@ -504,32 +506,14 @@ def swap_in_persisted(path: Path, pids: Sequence[int]) -> bool:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    entries = _persisted_entries(doc)
-    sizes = doc.get("memory_bytes", []) if isinstance(doc, dict) else []
-    live = [
-        e
-        for e in entries
-        if isinstance(e, list)
-        and len(e) >= 6
-        and (stat := _read_stat(int(e[0])))
-        and stat[1] == e[4]
-    ]
-    coming = [e for e in live if e[0] in pids and e[5]]
-    for index in {int(e[1]) for e in coming}:
-        nbytes = sum(int(e[2]) for e in coming if e[1] == index)
-        resident = sum(int(e[2]) for e in live if e[1] == index and not e[5])
-        if index < len(sizes) and resident + nbytes > int(sizes[index]):
-            raise SimOutOfMemory(
-                f"GPU {index}: {nbytes} bytes do not fit beside {resident} resident bytes "
-                f"of {sizes[index]}"
-            )
-    for e in coming:
-        e[5] = False
-    if coming:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(path)
-    return bool(coming)
+    sizes = doc.get("memory_bytes") if isinstance(doc, dict) else None
+    if not sizes:
+        return False  # a file from before swapping: nothing in it is swapped
+    backend = SimBackend(len(sizes), max(int(n) for n in sizes), persist=path)
+    try:
+        return bool(backend.swap_in(pids))
+    finally:
+        backend.close()
 
 
 def _check_activity(activity: str) -> None:

@@ -22,6 +22,7 @@ from kiwid import __version__
 from kiwid.adapters import cudalock, procs
 from kiwid.adapters.cgroups import CgroupError, CgroupLayout
 from kiwid.adapters.gpu import DriverUnavailable, GpuBackend
+from kiwid.adapters.sim import SimBackend  # stdlib only; the runner imports it anyway
 from kiwid.config import ConfigError, Settings, check_config_main, load_config
 from kiwid.daemon.gates import (
     CudaLockGate,
@@ -59,8 +60,6 @@ def make_backend(settings: Settings) -> GpuBackend:
         DriverUnavailable: ``nvml`` was asked for and the driver is not usable.
     """
     if settings.gpu.backend == "sim":
-        from kiwid.adapters.sim import SimBackend  # noqa: PLC0415 - only when asked for
-
         return SimBackend(
             devices=settings.gpu.sim_devices,
             memory_bytes=int(settings.gpu.sim_memory_gib * 2**30),
@@ -112,8 +111,6 @@ def make_swapper(settings: Settings, backend: GpuBackend, gate: TenantGate) -> S
     The driver's checkpoint needs the process locked, so it comes with the CUDA
     lock gate only; the simulated GPU swaps with any gate.
     """
-    from kiwid.adapters.sim import SimBackend  # noqa: PLC0415 - stdlib only, cheap
-
     if isinstance(backend, SimBackend):
         gbps = 1e9
         return SimSwapper(

@@ -21,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from kiwid.linux.mountinfo import parse_mountinfo
+from kiwid.linux.proc import ProcError, read_proc_cgroup
 
 __all__ = [
     "CgroupError",
@@ -36,6 +38,7 @@ __all__ = [
     "FreezeTimeout",
     "Freezer",
     "IsolationError",
+    "cgroup_ids",
     "cgroup_of",
     "isolate_process",
     "remove_isolation",
@@ -88,11 +91,6 @@ class IsolationError(FreezeError):
     """A process could not be moved into a cgroup of its own (so it cannot be frozen)."""
 
 
-def _unescape(field: str) -> str:
-    r"""Decode the octal escapes (``\040`` for a space) of a mountinfo field."""
-    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
-
-
 @dataclass(frozen=True)
 class CgroupLayout:
     """Where the cgroup hierarchies are mounted.
@@ -117,19 +115,11 @@ class CgroupLayout:
         """
         v2: Path | None = None
         v1: Path | None = None
-        for line in text.splitlines():
-            fields = line.split()
-            if "-" not in fields:
-                continue
-            sep = fields.index("-")
-            if len(fields) < sep + 4 or sep < 5:
-                continue
-            mount_point = Path(_unescape(fields[4]))
-            fstype, super_opts = fields[sep + 1], fields[sep + 3].split(",")
-            if fstype == "cgroup2" and v2 is None:
-                v2 = mount_point
-            elif fstype == "cgroup" and "freezer" in super_opts and v1 is None:
-                v1 = mount_point
+        for mount in parse_mountinfo(text):
+            if mount.fstype == "cgroup2" and v2 is None:
+                v2 = mount.mount_point
+            elif mount.fstype == "cgroup" and "freezer" in mount.super_options and v1 is None:
+                v1 = mount.mount_point
         return cls(v2_root=v2, v1_freezer_root=v1)
 
     @classmethod
@@ -185,18 +175,29 @@ def cgroup_of(pid: int | str = "self") -> CgroupRef:
         CgroupError: The process is gone or its cgroup file cannot be read.
     """
     try:
-        text = Path(f"/proc/{pid}/cgroup").read_text()
-    except OSError as exc:
+        paths = read_proc_cgroup(pid)
+    except ProcError as exc:
         raise CgroupError(f"cannot read the cgroups of process {pid}: {exc}") from exc
-    v2: str | None = None
-    v1: str | None = None
-    for line in text.splitlines():
-        hier, controllers, path = [*line.split(":", 2), "", ""][:3]
-        if hier == "0" and controllers == "":
-            v2 = path
-        elif "freezer" in controllers.split(","):
-            v1 = path
-    return CgroupRef(v2=v2, v1_freezer=v1)
+    return CgroupRef(v2=paths.v2, v1_freezer=paths.v1_freezer)
+
+
+def cgroup_ids(layout: CgroupLayout, ref: CgroupRef) -> tuple[int | None, int | None]:
+    """The inode numbers of ``ref``'s v2 and v1 freezer directories (``None``: none).
+
+    A cgroup's inode number is its identity for the kernel: a cgroup removed and
+    made again under the same path has another. kiwid records it when it gates and
+    checks it before it thaws, so it never thaws a cgroup it did not freeze.
+
+    Raises:
+        FreezeError: A path is relative or contains ``..``.
+    """
+    ids: list[int | None] = []
+    for directory in layout.dirs(ref):
+        try:
+            ids.append(directory.stat().st_ino if directory is not None else None)
+        except OSError:
+            ids.append(None)
+    return ids[0], ids[1]
 
 
 def _control(file: Path, value: str | None = None) -> str:

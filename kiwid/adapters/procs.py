@@ -2,8 +2,9 @@
 
 A tenant is what Kiwi gates as one unit: a container (docker, containerd/CRI,
 CRI-O, podman), a systemd unit, another dedicated cgroup, or else one bare process.
-:func:`parse_proc_cgroup` and :func:`identify` are pure and work on the text of
-``/proc/PID/cgroup``; :func:`tenant_of` reads that file for a live process.
+:func:`identify` is pure and works on what :mod:`kiwid.linux.proc` parsed from
+``/proc/PID/cgroup`` (the one parser of that file, re-exported here);
+:func:`tenant_of` reads that file for a live process.
 
 psutil errors never leave this module: a vanished process becomes ``None`` or
 :class:`ProcessGone`, a refused one :class:`AccessDenied`.
@@ -11,13 +12,21 @@ psutil errors never leave this module: a vanished process becomes ``None`` or
 
 from __future__ import annotations
 
-import errno
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import psutil
+
+from kiwid.linux import proc
+from kiwid.linux.proc import (
+    AccessDenied,
+    ProcCgroups,
+    ProcError,
+    ProcessGone,
+    parse_proc_cgroup,
+    read_proc_cgroup,
+)
 
 __all__ = [
     "AccessDenied",
@@ -37,31 +46,8 @@ __all__ = [
 ]
 
 
-class ProcsError(Exception):
-    """Base class of every error this module raises."""
-
-
-class ProcessGone(ProcsError):
-    """The process exited (or never existed)."""
-
-
-class AccessDenied(ProcsError):
-    """The kernel refused to tell kiwid about the process (kiwid is not root?)."""
-
-
-@dataclass(frozen=True)
-class ProcCgroups:
-    """The cgroups of one process, parsed from ``/proc/PID/cgroup``.
-
-    Attributes:
-        v2: Path in the cgroup2 hierarchy (the ``0::`` line), or ``None``.
-        v1_freezer: Path in the v1 hierarchy that has the ``freezer`` controller.
-        v1: Every v1 line: controller (``cpu``, ``name=systemd``, ...) -> path.
-    """
-
-    v2: str | None
-    v1_freezer: str | None
-    v1: Mapping[str, str] = field(default_factory=dict)
+ProcsError = ProcError
+"""Base class of every error this module raises (the Linux readers' own)."""
 
 
 @dataclass(frozen=True)
@@ -134,33 +120,6 @@ _SHARED_UNIT = re.compile(r"^(session-[^/]+\.scope|user@\d+\.service|init\.scope
 _USER_MANAGER = re.compile(r"/(user@\d+\.service)/")
 
 
-def parse_proc_cgroup(text: str) -> ProcCgroups:
-    """Parse the text of ``/proc/PID/cgroup`` (v1, v2 or hybrid layout).
-
-    Args:
-        text: Lines of ``hierarchy-id:controller-list:path``.
-
-    Returns:
-        The cgroup2 path, the v1 freezer path and every v1 controller's path.
-    """
-    v2: str | None = None
-    freezer: str | None = None
-    v1: dict[str, str] = {}
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            v2 = path
-            continue
-        for controller in controllers.split(","):
-            v1[controller] = path
-            if controller == "freezer":
-                freezer = path
-    return ProcCgroups(v2=v2, v1_freezer=freezer, v1=v1)
-
-
 def _container(path: str) -> ContainerIdentity | None:
     best: tuple[int, str, str] | None = None
     for kind, pattern in _CONTAINERS:
@@ -202,30 +161,6 @@ def identify(paths: ProcCgroups) -> ContainerIdentity:
         dedicated = _SHARED_UNIT.match(unit) is None
         return ContainerIdentity("systemd", None, None, name, path, dedicated)
     return ContainerIdentity("cgroup", None, None, path, path, dedicated=True)
-
-
-def read_proc_cgroup(pid: int) -> ProcCgroups:
-    """Read and parse ``/proc/<pid>/cgroup``.
-
-    Args:
-        pid: The process ID.
-
-    Returns:
-        The process's cgroups.
-
-    Raises:
-        ProcessGone: The process does not exist (any more).
-        AccessDenied: The file cannot be read.
-    """
-    try:
-        text = Path(f"/proc/{pid}/cgroup").read_text()
-    except (FileNotFoundError, ProcessLookupError) as exc:
-        raise ProcessGone(f"process {pid} is gone") from exc
-    except OSError as exc:
-        if exc.errno == errno.ESRCH:
-            raise ProcessGone(f"process {pid} is gone") from exc
-        raise AccessDenied(f"cannot read the cgroups of process {pid}: {exc}") from exc
-    return parse_proc_cgroup(text)
 
 
 def tenant_of(pid: int, own_cgroup: str | None = None) -> Tenant | None:
@@ -313,21 +248,18 @@ def cpu_seconds(pid: int) -> float | None:
     return float(times.user + times.system)
 
 
-def alive(pid: int) -> bool:
+def alive(pid: int, start_ticks: int | None = None) -> bool:
     """Whether a process exists and is not a zombie (an unreaped corpse runs nothing).
 
     Args:
         pid: The process ID.
+        start_ticks: Its start time as recorded earlier: a PID reused since by
+            another process is not alive (``None``: do not check).
 
     Returns:
-        ``True`` if the process exists and has not exited.
+        ``True`` if the process exists, has not exited and is the one recorded.
     """
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True  # it exists; we just may not look at it
+    return proc.alive(pid, start_ticks)
 
 
 def available_host_memory() -> int:

@@ -47,6 +47,7 @@ from types import FrameType
 from typing import Any
 
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
+from kiwid.linux.proc import parse_proc_cgroup
 
 __all__ = ["ContainerInfo", "container_info", "main", "parse_state"]
 
@@ -237,14 +238,8 @@ def _cgroups_from_proc(proc: Path, pid: int) -> tuple[str | None, str | None]:
         text = (proc / str(pid) / "cgroup").read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None, None
-    v2 = v1 = None
-    for line in text.splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "":
-            v2 = path
-        elif "freezer" in controllers.split(","):
-            v1 = path
+    paths = parse_proc_cgroup(text)
+    v2, v1 = paths.v2, paths.v1_freezer
     # The root cgroup holds the whole machine: never a container's own.
     return (v2 if v2 not in (None, "/") else None), (v1 if v1 not in (None, "/") else None)
 

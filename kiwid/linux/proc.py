@@ -23,6 +23,7 @@ __all__ = [
     "ProcError",
     "ProcStat",
     "ProcessGone",
+    "alive",
     "comm",
     "parse_proc_cgroup",
     "parse_stat",
@@ -158,6 +159,14 @@ def read_stat(pid: int) -> ProcStat | None:
         return parse_stat(_read(pid, "stat"))
     except (ProcError, ValueError):
         return None
+
+
+def alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Whether ``pid`` runs (not a zombie) and, given ``start_ticks``, is that process."""
+    stat = read_stat(pid)
+    if stat is None or stat.zombie:
+        return False
+    return start_ticks is None or stat.start_ticks == start_ticks
 
 
 def uids(pid: int) -> tuple[int, int] | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kiwid.adapters.gpu import GpuBackendError, GpuLost, GpuProcess
-from kiwid.adapters.sim import GIB, SimAttachment, SimBackend
+from kiwid.adapters.sim.backend import GIB, SimAttachment, SimBackend
 
 Spawn = Callable[[list[str]], subprocess.Popen[bytes]]
 BUSY = [sys.executable, "-c", "while True: pass"]

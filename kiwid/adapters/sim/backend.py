@@ -23,25 +23,24 @@ fails). The time a swap takes is the caller's to simulate.
 
 from __future__ import annotations
 
-import json
-import os
 import select
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kiwid.adapters.gpu import DeviceInfo, GpuBackendError, GpuLost, GpuProcess
+from kiwid.adapters.sim.persist import PersistFile
+from kiwid.adapters.sim.process import Attachment
+from kiwid.linux.freezer import is_frozen
 
-__all__ = ["ACTIVITIES", "SimAttachment", "SimBackend", "SimOutOfMemory", "swap_in_persisted"]
+__all__ = ["ACTIVITIES", "SimAttachment", "SimBackend", "SimOutOfMemory"]
 
 GIB = 1024**3
 ACTIVITIES = frozenset({"cpu", "active", "idle"})
 """The activity modes :meth:`SimBackend.attach` accepts."""
 
-_PROC = Path("/proc")
 _PENDING_FRESH_S = 0.05
 
 
@@ -64,24 +63,6 @@ class SimAttachment:
     index: int
     used_memory_bytes: int
     activity: str
-
-
-@dataclass
-class _Entry:
-    """Mutable bookkeeping for one attachment."""
-
-    used_memory_bytes: int
-    activity: str
-    start_ticks: int  # /proc/PID/stat starttime: tells a reused PID apart
-    samples: list[tuple[float, int]] = field(default_factory=list)  # (clock s, cpu ticks)
-    # The /proc reading processes() just took, used once by the active_pids() right
-    # after it (the daemon's poll): one read per process and poll, not two.
-    pending: tuple[float, tuple[int, int]] | None = None  # (time.monotonic(), stat)
-    # /proc/PID/stat and /proc/PID/schedstat held open: a reaped process (and so a
-    # reused PID) reads ESRCH; schedstat is the cheap CPU-time reading of each poll.
-    fd: int | None = None  # pidfd: readable once the process exits (zombies too)
-    sched_fd: int | None = None
-    swapped: bool = False  # its memory is "in host RAM": not listed, not on the card
 
 
 class SimBackend:
@@ -118,14 +99,16 @@ class SimBackend:
         )
         self._clock = clock
         self._lock = threading.Lock()
-        self._entries: dict[tuple[int, int], _Entry] = {}  # (pid, index) -> entry
+        self._entries: dict[tuple[int, int], Attachment] = {}  # (pid, index) -> entry
         self._lost: set[int] = set()
         self._exits = select.poll()  # the pidfds: one syscall tells who exited
         self._by_fd: dict[int, tuple[int, int]] = {}
         self._dirty = False
-        self._persist = persist
-        if persist is not None:
-            self._load(persist)
+        self._persist = None if persist is None else PersistFile(persist)
+        if self._persist is not None:
+            for pid, index, memory, activity, swapped in self._persist.live_entries():
+                self.attach(pid, index, memory, activity)
+                self._entries[(pid, index)].swapped = swapped
 
     def devices(self) -> Sequence[DeviceInfo]:
         """List the simulated GPUs that are not lost.
@@ -153,21 +136,8 @@ class SimBackend:
         if type(used_memory_bytes) is not int or used_memory_bytes < 0:
             raise ValueError(f"used_memory_bytes must be an int >= 0, got {used_memory_bytes!r}")
         _check_activity(activity)
-        stat = _read_stat(pid) if type(pid) is int and pid > 0 else None
-        if stat is None:
-            raise ValueError(f"no running process with pid {pid!r}")
-        entry = _Entry(used_memory_bytes, activity, stat[1])
-        try:
-            entry.fd = os.pidfd_open(pid)
-            entry.sched_fd = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:  # out of descriptors, or an old kernel: read by path instead
-            if entry.fd is not None:
-                os.close(entry.fd)
-            entry.fd = entry.sched_fd = None
-        first = _entry_stat(pid, entry)
-        if first is None:
-            raise ValueError(f"no running process with pid {pid!r}")
-        entry.samples = [(self._clock(), first[0])]
+        entry = Attachment.open(pid, used_memory_bytes, activity)
+        entry.samples = [(self._clock(), entry.first_cpu)]
         with self._lock:
             self._drop((pid, index))
             self._entries[(pid, index)] = entry
@@ -211,7 +181,7 @@ class SimBackend:
                 raise ValueError(f"pid {pid} is not attached")
             for entry in entries:
                 entry.activity = activity
-                stat = _entry_stat(pid, entry)
+                stat = entry.stat(pid)
                 entry.samples = [] if stat is None else [(now, stat[0])]
 
     def attached(self) -> list[SimAttachment]:
@@ -379,12 +349,12 @@ class SimBackend:
                 if pending is not None and time.monotonic() - pending[0] < _PENDING_FRESH_S:
                     stat: tuple[int, int] | None = pending[1]
                 else:
-                    stat = _entry_stat(pid, entry)
+                    stat = entry.stat(pid)
                 if stat is None or stat[1] != entry.start_ticks:  # exited, or PID reused
                     self._drop((pid, i))
                     continue
                 if entry.activity == "active":
-                    if not _frozen(pid):
+                    if not is_frozen(pid):
                         active.add(pid)
                     continue
                 samples = entry.samples
@@ -421,47 +391,19 @@ class SimBackend:
             if entry.fd is not None:
                 self._exits.unregister(entry.fd)
                 del self._by_fd[entry.fd]
-            for fd in (entry.fd, entry.sched_fd):
-                if fd is not None:
-                    os.close(fd)
+            entry.close()
             self._dirty = True
 
     def _save(self) -> None:
         """Write the attachments to the persist file, if any and changed (lock held)."""
         if self._persist is None or not self._dirty:
             return
-        self._dirty = False
-        doc = {
-            "memory_bytes": [d.memory_total_bytes for d in self._devices],
-            "entries": [
-                [pid, index, e.used_memory_bytes, e.activity, e.start_ticks, e.swapped]
-                for (pid, index), e in sorted(self._entries.items())
-            ],
-        }
-        tmp = self._persist.with_name(self._persist.name + ".tmp")
-        try:
-            self._persist.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(doc))
-            tmp.replace(self._persist)
-        except OSError:
-            self._dirty = True  # try again at the next change
-
-    def _load(self, path: Path) -> None:
-        """Re-attach the live processes of a previous run (a PID reused since is skipped)."""
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return
-        for item in _persisted_entries(doc):
-            try:
-                pid, index, memory, activity, start_ticks, *rest = item
-                stat = _read_stat(int(pid))
-                if stat is not None and stat[1] == start_ticks:
-                    self.attach(int(pid), int(index), int(memory), str(activity))
-                    if rest and rest[0]:
-                        self._entries[(int(pid), int(index))].swapped = True
-            except (TypeError, ValueError):
-                continue
+        entries = [
+            (pid, index, e.used_memory_bytes, e.activity, e.start_ticks, e.swapped)
+            for (pid, index), e in sorted(self._entries.items())
+        ]
+        sizes = [d.memory_total_bytes for d in self._devices]
+        self._dirty = not self._persist.save(sizes, entries)  # try again at the next change
 
     def _prune(self, index: int) -> None:
         """Drop a GPU's attachments whose process exited or whose PID was reused.
@@ -475,121 +417,14 @@ class SimBackend:
                 continue
             if entry.activity != "cpu" and entry.fd is not None:
                 continue  # its pidfd says when it exits; no CPU time needed
-            stat = _entry_stat(key[0], entry)
+            stat = entry.stat(key[0])
             if stat is None or stat[1] != entry.start_ticks:
                 self._drop(key)
             else:
                 entry.pending = (time.monotonic(), stat)
 
 
-def _persisted_entries(doc: object) -> list[Any]:
-    """The attachments of a persist file (a bare list in files of older versions)."""
-    if isinstance(doc, dict):
-        doc = doc.get("entries")
-    return doc if isinstance(doc, list) else []
-
-
-def swap_in_persisted(path: Path, pids: Sequence[int]) -> bool:
-    """Bring ``pids`` back in a persist file, without a running daemon (recover).
-
-    All or nothing, and only if they fit beside the live resident processes: the
-    file is loaded into a :class:`SimBackend` (which drops exited processes), the
-    swap-in done there, and the result saved back.
-
-    Returns:
-        Whether the file listed any of them as swapped out.
-
-    Raises:
-        SimOutOfMemory: they do not fit.
-    """
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    sizes = doc.get("memory_bytes") if isinstance(doc, dict) else None
-    if not sizes:
-        return False  # a file from before swapping: nothing in it is swapped
-    backend = SimBackend(len(sizes), max(int(n) for n in sizes), persist=path)
-    try:
-        return bool(backend.swap_in(pids))
-    finally:
-        backend.close()
-
-
 def _check_activity(activity: str) -> None:
     """Raise ``ValueError`` unless ``activity`` is a known mode."""
     if activity not in ACTIVITIES:
         raise ValueError(f"activity must be one of {sorted(ACTIVITIES)}, got {activity!r}")
-
-
-def _entry_stat(pid: int, entry: _Entry) -> tuple[int, int] | None:
-    """``(cpu time, starttime)`` of an attached process, or ``None`` if it is gone.
-
-    With a pidfd (exits, zombies included, are found by polling it) the CPU time
-    comes in ns from the held ``schedstat`` (a third of the cost of ``stat``).
-    Without, :func:`_read_stat` (CPU time in clock ticks, zombies as gone); the
-    unit is the same for all of one entry's samples.
-    """
-    if entry.fd is None or entry.sched_fd is None:
-        return _read_stat(pid)
-    try:
-        cpu_ns = int(os.pread(entry.sched_fd, 128, 0).split(maxsplit=1)[0])
-    except (OSError, ValueError):  # ESRCH: reaped (its PID may be someone else's now)
-        return None
-    return cpu_ns, entry.start_ticks
-
-
-def _read_stat(pid: int) -> tuple[int, int] | None:
-    """Return ``(utime + stime, starttime)`` in clock ticks, or ``None`` if not alive.
-
-    A zombie (exited, not yet reaped) counts as not alive.
-    """
-    try:  # os.open/os.read: pathlib's path building costs more than the read itself
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        text = os.read(fd, 4096).decode("utf-8", "replace")
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return _parse_stat(text)
-
-
-def _parse_stat(text: str) -> tuple[int, int] | None:
-    """``(utime + stime, starttime)`` from a ``/proc/PID/stat`` text; ``None`` for a zombie."""
-    fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[11]) + int(fields[12]), int(fields[19])
-
-
-def _frozen(pid: int) -> bool:
-    """Whether the cgroup v2 or v1 freezer has frozen ``pid``'s cgroup."""
-    try:
-        lines = (_PROC / str(pid) / "cgroup").read_text().splitlines()
-        mounts = (_PROC / "self" / "mountinfo").read_text().splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        hierarchy, controllers, path = line.split(":", 2)
-        for mount in mounts:
-            left, _, right = mount.partition(" - ")
-            fstype, _, options = right.split(" ", 2)
-            mount_point = left.split(" ")[4]
-            if hierarchy == "0" and fstype == "cgroup2":
-                state, frozen = "cgroup.events", "frozen 1"
-            elif (
-                fstype == "cgroup" and "freezer" in controllers.split(",") and "freezer" in options
-            ):
-                state, frozen = "freezer.state", "FROZEN"
-            else:
-                continue
-            try:
-                text = Path(mount_point + path.rstrip("/"), state).read_text()
-            except OSError:
-                continue
-            if frozen in text.splitlines():
-                return True
-    return False

@@ -19,6 +19,8 @@ class GpusConfigured:
     """
 
     policies: Mapping[GpuId, GpuPolicy]
+    host_floor_bytes: int = 0
+    """Available host RAM that a swap-out must leave (``memory.host_floor_mib``)."""
 
 
 @dataclass(frozen=True)
@@ -66,28 +68,53 @@ class SwapFinished:
     ok: bool
     moved_bytes: int = 0
     seconds: float = 0.0
+    reason: str = ""
+    """Why it failed (empty when it worked)."""
 
 
 @dataclass(frozen=True)
-class Ungated:
-    """The shell carried out an :class:`Ungate`: the tenant runs from now.
+class GateFailed:
+    """The shell could not carry out a :class:`Gate`: the tenant runs on.
 
-    A grant that moves memory takes seconds to carry out; its holder's quantum
-    and idle time count from this event, not from the grant.
+    It keeps its place (the rotation goes on around it), but its memory is not
+    moved while it runs.
+    """
+
+    tenant: TenantId
+    reason: str
+
+
+@dataclass(frozen=True)
+class TenantAdopted:
+    """A tenant that a previous kiwid left gated (found in the state file at start).
+
+    It is attached already. It waits for its turn, gated; ``swapped`` gives its
+    bytes per GPU if its memory is in host RAM. For the first ``idle_release``
+    seconds it claims no GPU, so that a tenant that runs ungated can show its
+    activity and keep the GPU it was given.
+    """
+
+    tenant: TenantId
+    swapped: Mapping[GpuId, int] | None = None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A container was announced to start held (``kubernetes.admission = "hold"``).
+
+    If a GPU it needs is held or claimed it starts a burst at once and waits,
+    gated, before its first instruction; otherwise nothing happens (it runs free
+    until its first burst).
     """
 
     tenant: TenantId
 
 
 @dataclass(frozen=True)
-class TenantSwapped:
-    """A known tenant's memory is in host RAM (found at start in the state file).
+class HostMemorySeen:
+    """The host RAM available to new allocations (bytes), for the swap floor."""
 
-    It is gated (locked and checkpointed) and waits for its turn to come back.
-    """
-
-    tenant: TenantId
-    footprint: Mapping[GpuId, int]
+    available_bytes: int
 
 
 @dataclass(frozen=True)
@@ -102,8 +129,10 @@ Event = (
     | ActivitySeen
     | FootprintSeen
     | SwapFinished
-    | Ungated
-    | TenantSwapped
+    | GateFailed
+    | TenantAdopted
+    | Admitted
+    | HostMemorySeen
     | Tick
 )
 
@@ -119,21 +148,28 @@ class Gate:
 
 @dataclass(frozen=True)
 class Ungate:
-    """Let the tenant's GPU work go on."""
+    """Let the tenant's GPU work go on (only ever while its memory is on the card)."""
 
     tenant: TenantId
 
 
 @dataclass(frozen=True)
 class SwapOut:
-    """Move a gated tenant's GPU memory to host RAM (lock held, checkpoint)."""
+    """Move a gated tenant's GPU memory to host RAM (lock held, checkpoint).
+
+    Answered by :class:`SwapFinished`; nothing else of this tenant is asked for
+    until then.
+    """
 
     tenant: TenantId
 
 
 @dataclass(frozen=True)
 class SwapIn:
-    """Bring a gated tenant's memory back to the GPU (restore; it stays gated)."""
+    """Bring a gated tenant's memory back to the GPU (restore; it stays gated).
+
+    Asked for only when the card has room for it; answered by :class:`SwapFinished`.
+    """
 
     tenant: TenantId
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kiwid.core.ledger import LedgerView
 from kiwid.core.model import GpuId, GpuPolicy, TenantId, TenantState
+from kiwid.core.residency import Residency
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,16 @@ class TenantView:
     """Whether its memory is on the GPU (``False``: swapped to host RAM)."""
     peak: Mapping[GpuId, int] | None = None
     """The most memory it was seen using, per GPU."""
+    residency: Residency = Residency.RESIDENT
+    """Where its memory is, or which way it is moving."""
+    gated: bool = False
+    """Whether the scheduler has it gated (waiting, or granted and not let go yet)."""
+    waiting_for: str | None = None
+    """Why a gated tenant is not let go although nothing may be ahead of it."""
+    swap_refusal: str | None = None
+    """Why its memory may not be moved for now."""
+    gate_failure: str | None = None
+    """Why its last gate did not take (it runs on)."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@
   root), still schedules and shows the rotation, and says so at start.
 
 Every gate returns a :class:`~kiwid.daemon.state.GatedRecord` that is enough to
-undo it from another process (``kiwid recover``).
+undo it from another process (``kiwid recover``), with what tells the gated thing
+apart from another under the same name: the cgroups' inode numbers, the
+processes' start times. Ungating checks them, so kiwid never thaws a cgroup (or
+unlocks a process) that it did not gate itself.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from kiwid.adapters.cgroups import (
     CgroupRef,
     FreezeError,
     Freezer,
+    cgroup_ids,
     isolate_process,
     remove_isolation,
 )
 from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
 from kiwid.daemon.state import GatedRecord
 from kiwid.daemon.tenants import TenantInfo
+from kiwid.linux.proc import read_stat
 
 log = logging.getLogger("kiwid.gate")
 
@@ -100,7 +105,11 @@ class FreezeGate:
                 msg = f"{ident.key}: cannot move it into a cgroup of its own: {err}"
                 raise GateError(msg) from err
             self._isolated[ident.key] = ref
-        return _record(tenant, self.method, ref.v2, ref.v1_freezer)
+        try:
+            ids = cgroup_ids(self._layout, ref)
+        except FreezeError as err:
+            raise GateError(f"{ident.key}: {err}") from err
+        return _record(tenant, self.method, ref.v2, ref.v1_freezer, ids)
 
     def gate(self, record: GatedRecord) -> None:
         """Freeze the tenant's cgroup and wait until it is frozen.
@@ -114,11 +123,26 @@ class FreezeGate:
             raise GateError(f"{record.tenant}: {err}") from err
 
     def ungate(self, record: GatedRecord) -> None:
-        """Thaw the tenant's cgroup in every hierarchy.
+        """Thaw the tenant's cgroup in every hierarchy, if it is the one kiwid froze.
+
+        A cgroup that is gone is fine (the tenant exited). One whose identity does
+        not match the record (removed and made again since, or a record kiwid did
+        not write) is left alone.
 
         Raises:
-            GateError: the freezer refused to thaw it.
+            GateError: the freezer refused to thaw it, or it is not kiwid's to thaw.
         """
+        try:
+            now = cgroup_ids(self._layout, _ref(record))
+        except FreezeError as err:
+            raise GateError(f"{record.tenant}: {err}") from err
+        paths = (record.cgroup_v2, record.cgroup_v1_freezer)
+        for path, seen, recorded in zip(paths, now, record.cgroup_ids, strict=True):
+            if seen is not None and seen != recorded:
+                raise GateError(
+                    f"{record.tenant}: cgroup {path} is not the one kiwid froze (its identity "
+                    f"is {seen}, the record says {recorded}); leaving it alone"
+                )
         try:
             self._freezer.thaw(_ref(record))
         except (OSError, FreezeError) as err:
@@ -181,9 +205,9 @@ class CudaLockGate:
             GateError: a live, locked process refused to unlock.
         """
         failed: list[str] = []
-        for pid in record.pids:
-            if not procs.alive(pid):
-                continue  # gone (or a zombie): nothing to unlock
+        for pid, start in record.pid_starts().items():
+            if not procs.alive(pid, start):
+                continue  # gone (or a zombie, or the PID is someone else's now)
             try:
                 state = self._lock.state(pid)
                 if state is ProcessState.CHECKPOINTED:  # unlocking would strand it
@@ -222,8 +246,19 @@ class NullGate:
         """Do nothing."""
 
 
-def _record(tenant: TenantInfo, method: str, v2: str | None, v1: str | None) -> GatedRecord:
-    return GatedRecord(tenant.key, method, v2, v1, tuple(sorted(tenant.pids)))
+def _record(
+    tenant: TenantInfo,
+    method: str,
+    v2: str | None,
+    v1: str | None,
+    ids: tuple[int | None, int | None] = (None, None),
+) -> GatedRecord:
+    pids = tuple(sorted(tenant.pids))
+    starts = []
+    for pid in pids:
+        stat = read_stat(pid)
+        starts.append(stat.start_ticks if stat is not None else 0)
+    return GatedRecord(tenant.key, method, v2, v1, pids, cgroup_ids=ids, starts=tuple(starts))
 
 
 def _ref(record: GatedRecord) -> CgroupRef:

@@ -59,7 +59,7 @@ def identity_of_container(
     container_id: str,
     cgroup_v2: str | None,
     cgroup_v1_freezer: str | None,
-    pid: int | None,
+    pid: int,
     *,
     name: str | None = None,
     pod: str | None = None,
@@ -68,24 +68,40 @@ def identity_of_container(
     """The identity of a container that kiwi-hook announced.
 
     Its key is the one its processes will have when they show up on a GPU (it is
-    derived from the same cgroup path), so the two meet in one tenant.
+    derived from the same cgroup path), so the two meet in one tenant. The cgroup
+    is the one process ``pid`` is in, as the kernel says: a path given beside it
+    must be that one (never an ancestor slice, never a bystander's cgroup).
 
     Raises:
-        ValueError: no cgroup is known, or it is shared (the root, a login session).
+        ValueError: the process is gone, the cgroups given are not its own, or its
+            cgroup is not a container's own (the root, a login session, a slice,
+            or kiwid's own).
     """
-    if cgroup_v2 is None and cgroup_v1_freezer is None and pid is not None:
-        try:
-            paths = procs.read_proc_cgroup(pid)
-        except procs.ProcsError as err:
-            raise ValueError(f"cannot read the cgroups of pid {pid}: {err}") from err
-        cgroup_v2, cgroup_v1_freezer = paths.v2, paths.v1_freezer
-    if cgroup_v2 is None and cgroup_v1_freezer is None:
-        raise ValueError("no cgroup path and no pid: cannot tell which cgroup to gate")
+    try:
+        paths = procs.read_proc_cgroup(pid)
+    except procs.ProcsError as err:
+        raise ValueError(f"cannot read the cgroups of pid {pid}: {err}") from err
+    for given, actual, what in (
+        (cgroup_v2, paths.v2, "cgroup_v2"),
+        (cgroup_v1_freezer, paths.v1_freezer, "cgroup_v1_freezer"),
+    ):
+        if given is not None and given != actual:
+            raise ValueError(
+                f"{what} {given!r} is not the cgroup of pid {pid} ({actual!r}); refusing to "
+                "gate a cgroup the container's process is not in"
+            )
+    cgroup_v2, cgroup_v1_freezer = paths.v2, paths.v1_freezer
+    freezable = [p for p in (cgroup_v2, cgroup_v1_freezer) if p not in (None, "", "/")]
+    if not freezable:
+        raise ValueError(f"pid {pid} is in the root cgroup: that is the whole machine")
+    if any(p.rstrip("/").endswith(".slice") for p in freezable):
+        raise ValueError(f"{freezable[0]} is a slice, which holds other units; refusing to gate it")
+    if _own_cgroup() in freezable:
+        raise ValueError(f"{_own_cgroup()} is kiwid's own cgroup; refusing to gate it")
     who = procs.identify(procs.ProcCgroups(cgroup_v2, cgroup_v1_freezer, {}))
     if not who.dedicated:
         raise ValueError(
-            f"cgroup {cgroup_v2 or cgroup_v1_freezer} is shared with other processes; "
-            "refusing to gate it"
+            f"cgroup {freezable[0]} is shared with other processes; refusing to gate it"
         )
     return Identity(
         key=f"{who.kind}:{who.name}",

@@ -2,7 +2,7 @@
 
     kiwid [--config PATH]            run in the foreground (systemd runs it so)
     kiwid check-config [PATH]        validate a config file; exit 0 or 1
-    kiwid recover [--config PATH]    ungate every tenant a dead kiwid left gated
+    kiwid recover [--config PATH]    let go of every tenant a dead kiwid left gated
 
 Exit codes: 0 clean stop, 1 runtime failure (or tenants left gated),
 2 usage error, 3 start-up failure (bad config, no driver, socket in use).
@@ -19,24 +19,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiwid import __version__
-from kiwid.adapters import cudalock, procs
+from kiwid.adapters import cudalock
 from kiwid.adapters.cgroups import CgroupError, CgroupLayout
 from kiwid.adapters.gpu import DriverUnavailable, GpuBackend
 from kiwid.adapters.sim import SimBackend  # stdlib only; the runner imports it anyway
 from kiwid.config import ConfigError, Settings, check_config_main, load_config
-from kiwid.daemon.gates import (
-    CudaLockGate,
-    FreezeGate,
-    GateError,
-    NullGate,
-    TenantGate,
-    ungate_record,
-)
+from kiwid.daemon import recovery
+from kiwid.daemon.gates import CudaLockGate, FreezeGate, NullGate, TenantGate
 from kiwid.daemon.identify import identify
 from kiwid.daemon.logs import setup_logging
-from kiwid.daemon.runner import STARTUP_FAILURE, Daemon
-from kiwid.daemon.state import StateError, StateFile
-from kiwid.daemon.swap import CheckpointSwapper, SimSwapper, SwapError, Swapper, restore_record
+from kiwid.daemon.server import STARTUP_FAILURE, Daemon
+from kiwid.daemon.state import StateError, StateFile, StateLocked
+from kiwid.daemon.swap import CheckpointSwapper, SimSwapper, Swapper
 
 log = logging.getLogger("kiwid")
 DEFAULT_CONFIG = Path("/etc/kiwi.toml")
@@ -45,7 +39,8 @@ EPILOG = """\
 commands:
   (none)         run the daemon in the foreground
   check-config   validate a config file (default /etc/kiwi.toml); exit 0 if valid
-  recover        ungate every tenant recorded as gated (systemd ExecStopPost=)
+  recover        let go of every tenant recorded as gated, when no kiwid runs
+                 (systemd ExecStopPost=)
 
 Reload: SIGHUP (systemctl reload kiwid) or saving the config file.
 Exit codes: 0 stopped cleanly, 1 runtime failure or tenants left gated,
@@ -166,17 +161,21 @@ def run(argv: Sequence[str]) -> int:
 
 
 def recover(argv: Sequence[str]) -> int:
-    """``kiwid recover``: ungate every tenant in the state file."""
+    """``kiwid recover``: let go of every tenant in the state file (no kiwid running)."""
     parser = argparse.ArgumentParser(
         prog="kiwid recover",
-        description="Ungate every tenant that kiwid recorded as gated (after a crash or "
-        "SIGKILL; systemd runs this as ExecStopPost=). Safe to run at any time.",
+        description="Let go of every tenant that a kiwid recorded as gated: bring its memory "
+        "back from host RAM if it was swapped, thaw or unlock it, forget the record. For after "
+        "a crash or SIGKILL; systemd runs it as ExecStopPost=. It refuses (exit 3) while a "
+        "kiwid runs on the same state directory: that kiwid manages those tenants.",
+        epilog="Exit codes: 0 nothing is gated any more, 1 something stays gated or a record "
+        "was unusable (the log says which), 2 usage error, 3 a kiwid is running.",
     )
     parser.add_argument(
         "--config", type=Path, default=DEFAULT_CONFIG, help="config file (default %(default)s)"
     )
     parser.add_argument(
-        "--state-dir", help="state directory (default: from the config file, else /run/kiwi)"
+        "--state-dir", help="state directory (default: from the config file, else its default)"
     )
     args = parser.parse_args(argv)
     setup_logging("info")
@@ -188,46 +187,34 @@ def recover(argv: Sequence[str]) -> int:
             state_dir = Settings().daemon.state_dir
             log.warning("Config unreadable (%s); using %s", err, state_dir)
     state = StateFile(state_dir)
+    if not state.dir.is_dir():
+        log.info("Nothing is gated (no state directory %s)", state.dir)
+        return 0
     try:
-        records = state.load()
+        state.lock()
+    except StateLocked as err:
+        log.error("Not recovering: %s", err)
+        return STARTUP_FAILURE
     except StateError as err:
         log.error("%s", err)
         return 1
-    failed = 0
-    for record in sorted(records.values(), key=lambda r: bool(r.swapped)):
-        if record.swapped and not any(map(procs.alive, record.pids)):
-            state.drop(record.tenant)  # gone: its host memory went with it
-            log.info("Dropped %s: its processes are gone", record.tenant)
-            continue
-        if record.swapped:
-            try:
-                restore_record(record, Path(state_dir))
-            except SwapError as err:
-                log.error(
-                    "Kept swapped: %s: its %d bytes stay in host RAM and it stays gated "
-                    "(%s). Free GPU memory (stop another job) and run `kiwid recover` "
-                    "again, or kill the tenant's processes (pids %s)",
-                    record.tenant,
-                    sum(record.swapped.values()),
-                    err,
-                    " ".join(map(str, record.pids)),
-                )
-                failed += 1
-                continue
-            log.info("Restored %s's memory from host RAM", record.tenant)
+    try:
         try:
-            ungate_record(record)
-        except GateError as err:
-            log.error("Could not ungate %s: %s", record.tenant, err)
-            failed += 1
-            continue
-        state.drop(record.tenant)
-        log.info("Ungated %s", record.tenant)
-    if failed:
-        return 1
-    state.clear()
-    log.info("Nothing is gated (%d tenant(s) ungated)", len(records))
-    return 0
+            records = state.load()
+        except StateError as err:
+            log.error("%s", err)
+            return 1
+        recovery.report_skipped(state)
+        if state.skipped:
+            state.replace_all(records)
+        kept = recovery.release_all(state, records.values(), recovery.undo_with(state.dir))
+        if kept or state.skipped:
+            return 1
+        state.clear()
+        log.info("Nothing is gated (%d tenant(s) let go)", len(records))
+        return 0
+    finally:
+        state.unlock()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

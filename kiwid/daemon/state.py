@@ -3,22 +3,42 @@
 Written atomically (temporary file, fsync, rename) BEFORE a tenant is gated and
 after it is ungated, so that after any crash ``kiwid recover`` (systemd's
 ``ExecStopPost=``) or the next start finds every tenant that may be frozen.
+
+Each record names what kiwid gated and how to tell it is still the same thing:
+the cgroup directories' inode numbers (a cgroup removed and made again under the
+same path is another cgroup) and each process's start time (a PID reused since is
+another process). Recovery acts only on what matches. A record of the wrong shape
+is skipped and named, the others are kept: one bad line strands nobody else.
+
+The directory is 0700 and the file 0600 (pids and cgroups are nobody else's
+business). A lock file in it is held by the live kiwid: a second kiwid or
+``kiwid recover`` refuses to act while it is held.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
+import stat
 import threading
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiwid.linux.files import read_regular
+
 log = logging.getLogger("kiwid.state")
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+MAX_STATE_BYTES = 64 * 1024 * 1024
+"""A state file larger than this is not read (a runaway or a wrong file)."""
+_METHODS = ("freeze", "cuda-lock", "none")
+_SWAP_METHODS = ("checkpoint", "sim")
 
 
 @dataclass(frozen=True)
@@ -27,7 +47,7 @@ class GatedRecord:
 
     tenant: str
     method: str
-    """``freeze`` or ``cuda-lock``."""
+    """``freeze``, ``cuda-lock`` or ``none``."""
     cgroup_v2: str | None
     cgroup_v1_freezer: str | None
     pids: tuple[int, ...]
@@ -36,26 +56,127 @@ class GatedRecord:
     brings it back (when it fits) before letting the tenant go."""
     swap_method: str | None = None
     """How it was swapped: ``checkpoint`` (the driver) or ``sim``."""
+    cgroup_ids: tuple[int | None, int | None] = (None, None)
+    """Inode numbers of the v2 and v1 freezer cgroup directories it froze."""
+    starts: tuple[int, ...] = ()
+    """Start time (clock ticks since boot) of each of ``pids``, in the same order."""
+
+    def pid_starts(self) -> dict[int, int | None]:
+        """Each pid with its recorded start time (``None`` if not recorded)."""
+        return {
+            pid: self.starts[i] if i < len(self.starts) else None for i, pid in enumerate(self.pids)
+        }
 
 
-def _swapped(raw: Any) -> dict[str, int] | None:
-    if raw is None:
-        return None
-    return {str(gpu): int(n) for gpu, n in dict(raw).items()}
+class BadRecord(ValueError):
+    """One record of the state file is not of the documented shape."""
 
 
 class StateError(Exception):
-    """The state file exists but cannot be read or understood."""
+    """The state file exists but cannot be read, or is not a Kiwi state file."""
+
+
+class StateLocked(StateError):
+    """Another live kiwid holds the state directory."""
+
+
+def _path(raw: Any, key: str) -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise BadRecord(f"{key} must be a cgroup path or null, not {type(raw).__name__}")
+    if not raw.startswith("/") or "\0" in raw or any(part == ".." for part in raw.split("/")):
+        raise BadRecord(f"{key} {raw!r} is not an absolute cgroup path")
+    if raw.rstrip("/") == "":
+        raise BadRecord(f"{key} is the root cgroup: kiwid never gates it")
+    return raw
+
+
+def _int(raw: Any, what: str, *, low: int = 0) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < low:
+        raise BadRecord(f"{what} must be an integer >= {low}, not {raw!r}")
+    return raw
+
+
+def parse_record(key: Any, raw: Any) -> GatedRecord:
+    """Check one record of the file; name what is wrong.
+
+    Raises:
+        BadRecord: the record is not of the documented shape.
+    """
+    if not isinstance(key, str) or not key or not key.isprintable():
+        raise BadRecord("the tenant key is not a printable string")
+    if not isinstance(raw, dict):
+        raise BadRecord("the record is not an object")
+    method = raw.get("method")
+    if method not in _METHODS:
+        raise BadRecord(f"unknown gate method {method!r}")
+    v2 = _path(raw.get("cgroup_v2"), "cgroup_v2")
+    v1 = _path(raw.get("cgroup_v1_freezer"), "cgroup_v1_freezer")
+    ids = raw.get("cgroup_ids", [None, None])
+    if not isinstance(ids, list) or len(ids) != 2:
+        raise BadRecord("cgroup_ids must be a list of two inode numbers (or nulls)")
+    cgroup_ids = tuple(None if i is None else _int(i, "a cgroup id", low=1) for i in ids)
+    pids_raw = raw.get("pids", [])
+    if not isinstance(pids_raw, list):
+        raise BadRecord("pids must be a list of [pid, start time] pairs")
+    pids: list[int] = []
+    starts: list[int] = []
+    for item in pids_raw:
+        if not isinstance(item, list) or len(item) != 2:
+            raise BadRecord("pids must be a list of [pid, start time] pairs")
+        pids.append(_int(item[0], "a pid", low=1))
+        starts.append(_int(item[1], "a start time"))
+    swapped_raw = raw.get("swapped")
+    swapped: dict[str, int] | None = None
+    if swapped_raw is not None:
+        if not isinstance(swapped_raw, dict):
+            raise BadRecord("swapped must be an object of bytes per GPU")
+        swapped = {str(g): _int(n, "swapped bytes") for g, n in swapped_raw.items()}
+    swap_method = raw.get("swap_method")
+    if swap_method not in (None, *_SWAP_METHODS):
+        raise BadRecord(f"unknown swap method {swap_method!r}")
+    if method == "freeze" and v2 is None and v1 is None:
+        raise BadRecord("a frozen tenant's record names no cgroup")
+    return GatedRecord(
+        tenant=key,
+        method=method,
+        cgroup_v2=v2,
+        cgroup_v1_freezer=v1,
+        pids=tuple(pids),
+        swapped=swapped,
+        swap_method=swap_method,
+        cgroup_ids=(cgroup_ids[0], cgroup_ids[1]),
+        starts=tuple(starts),
+    )
+
+
+def _record_json(rec: GatedRecord) -> dict[str, Any]:
+    return {
+        "method": rec.method,
+        "cgroup_v2": rec.cgroup_v2,
+        "cgroup_v1_freezer": rec.cgroup_v1_freezer,
+        "cgroup_ids": list(rec.cgroup_ids),
+        "pids": [[pid, start or 0] for pid, start in rec.pid_starts().items()],
+        "swapped": rec.swapped,
+        "swap_method": rec.swap_method,
+    }
 
 
 class StateFile:
     """``<state_dir>/state.json``: the gated tenants, keyed by tenant."""
 
     def __init__(self, state_dir: str | Path) -> None:
-        """Keep the state in ``state_dir`` (created on first write, mode 0755)."""
-        self.path = Path(state_dir) / "state.json"
+        """Keep the state in ``state_dir`` (created on first write, mode 0700)."""
+        self.dir = Path(state_dir)
+        self.path = self.dir / "state.json"
         self._records: dict[str, GatedRecord] = {}
-        self._write_lock = threading.Lock()  # two worker threads record gates
+        self._write_lock = threading.Lock()  # worker threads record gates
+        self._lock_fd: int | None = None
+        self.skipped: dict[str, str] = {}
+        """Records of the last :meth:`load` that were not usable, and why."""
+        self.writes = 0
+        """How many times the file was written (each write is an fsync)."""
 
     @property
     def records(self) -> dict[str, GatedRecord]:
@@ -63,39 +184,106 @@ class StateFile:
         with self._write_lock:
             return dict(self._records)
 
-    def load(self) -> dict[str, GatedRecord]:
-        """Read the file (a missing file is an empty state).
+    # ------------------------------------------------------------ the lock
+
+    def ensure_dir(self) -> None:
+        """Create the directory (0700), or tighten its mode if it is laxer.
 
         Raises:
-            StateError: the file is unreadable or not a Kiwi state file.
+            StateError: it exists and is not a directory, or cannot be made.
         """
         try:
-            raw = self.path.read_text(encoding="utf-8")
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = self.dir.lstat()
+        except OSError as err:
+            raise StateError(f"state directory {self.dir}: {err.strerror or err}") from err
+        if not stat.S_ISDIR(info.st_mode):
+            raise StateError(f"state directory {self.dir} exists and is not a directory")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            self.dir.chmod(0o700)
+
+    def lock(self) -> None:
+        """Take the directory's lock for this process's lifetime.
+
+        Raises:
+            StateLocked: another process (a live kiwid) holds it.
+            StateError: the directory or lock file cannot be used.
+        """
+        self.ensure_dir()
+        lock_path = self.dir / "kiwid.lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as err:
+            raise StateError(f"cannot open {lock_path}: {err.strerror or err}") from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = _read_pid(fd)
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                who = f"kiwid (pid {holder})" if holder else "another kiwid"
+                raise StateLocked(
+                    f"{who} is running and manages the tenants recorded in {self.dir}; "
+                    "stop it first (systemctl stop kiwid)"
+                ) from None
+            raise StateError(f"cannot lock {lock_path}: {err.strerror or err}") from err
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    @property
+    def locked(self) -> bool:
+        """Whether this process holds the directory's lock."""
+        return self._lock_fd is not None
+
+    def unlock(self) -> None:
+        """Release the lock (at exit; the kernel releases it if we die)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # ------------------------------------------------------------ reading
+
+    def load(self) -> dict[str, GatedRecord]:
+        """Read the file, record by record (a missing file is an empty state).
+
+        A record of the wrong shape is skipped and named in :attr:`skipped`; the
+        others are returned. Reading is O(n).
+
+        Raises:
+            StateError: the file cannot be read, is not a regular file, or is not a
+                Kiwi state file of this version at all.
+        """
+        self.skipped = {}
+        try:
+            raw = read_regular(self.path, MAX_STATE_BYTES)
         except FileNotFoundError:
             self._records = {}
             return {}
         except OSError as err:
-            raise StateError(f"{self.path}: cannot read: {err.strerror}") from err
+            raise StateError(f"{self.path}: {err.strerror or err}") from err
         try:
-            doc: Any = json.loads(raw)
-            if doc.get("version") != STATE_VERSION:
-                raise StateError(f"{self.path}: unknown state version {doc.get('version')!r}")
-            records = {
-                key: GatedRecord(
-                    tenant=key,
-                    method=str(rec["method"]),
-                    cgroup_v2=rec.get("cgroup_v2"),
-                    cgroup_v1_freezer=rec.get("cgroup_v1_freezer"),
-                    pids=tuple(int(p) for p in rec.get("pids", ())),
-                    swapped=_swapped(rec.get("swapped")),
-                    swap_method=rec.get("swap_method"),
-                )
-                for key, rec in doc["gated"].items()
-            }
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise StateError(f"{self.path}: not a Kiwi state file: {err}") from err
+            doc: Any = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
+            raise StateError(f"{self.path}: not a Kiwi state file (not JSON: {err})") from err
+        if not isinstance(doc, dict) or not isinstance(doc.get("gated"), dict):
+            raise StateError(f"{self.path}: not a Kiwi state file (no 'gated' table)")
+        if doc.get("version") != STATE_VERSION:
+            raise StateError(
+                f"{self.path}: state version {doc.get('version')!r}, this kiwid reads "
+                f"version {STATE_VERSION}; nothing was touched. Thaw what it lists by hand "
+                "(echo 0 > /sys/fs/cgroup/<path>/cgroup.freeze) and remove the file"
+            )
+        records: dict[str, GatedRecord] = {}
+        for key, rec in doc["gated"].items():
+            try:
+                records[key] = parse_record(key, rec)
+            except BadRecord as err:
+                self.skipped[str(key)] = str(err)
         self._records = records
         return dict(records)
+
+    # ------------------------------------------------------------ writing
 
     def put(self, record: GatedRecord) -> None:
         """Record a tenant as (about to be) gated; durable on return."""
@@ -105,28 +293,45 @@ class StateFile:
 
     def drop(self, tenant: str) -> None:
         """Forget a tenant after it was ungated; durable on return."""
+        self.drop_many((tenant,))
+
+    def drop_many(self, tenants: Iterable[str]) -> None:
+        """Forget several tenants with one write (recovery of thousands stays O(n))."""
         with self._write_lock:
-            if self._records.pop(tenant, None) is not None:
+            dropped = [t for t in tenants if self._records.pop(t, None) is not None]
+            if dropped:
                 self._write()
+
+    def replace_all(self, records: Mapping[str, GatedRecord]) -> None:
+        """Write exactly ``records`` (e.g. the loaded ones without the skipped)."""
+        with self._write_lock:
+            self._records = dict(records)
+            self._write()
 
     def clear(self) -> None:
         """Forget everything and remove the file."""
-        self._records = {}
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        with self._write_lock:
+            self._records = {}
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
 
     def _write(self) -> None:
-        self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self.ensure_dir()
         doc = {
             "version": STATE_VERSION,
-            "gated": {
-                key: {k: v for k, v in asdict(rec).items() if k != "tenant"}
-                for key, rec in sorted(self._records.items())
-            },
+            "gated": {key: _record_json(rec) for key, rec in sorted(self._records.items())},
         }
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(self.path)
+        self.writes += 1
+
+
+def _read_pid(fd: int) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        return int(os.pread(fd, 32, 0).decode().strip() or "0") or None
+    return None

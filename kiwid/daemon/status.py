@@ -6,16 +6,23 @@ fields may be added, never renamed or removed within protocol version 1.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from kiwid import __version__
-from kiwid.adapters.gpu import DeviceInfo
+from kiwid.adapters.control import EncodedResult
 from kiwid.core.ledger import LedgerView
-from kiwid.core.model import GpuPolicy, TenantState
-from kiwid.core.view import GpuView, SchedulerView
-from kiwid.daemon.engine import Departed, Histogram, SwapProgress
+from kiwid.core.model import GpuPolicy
+from kiwid.core.view import GpuView, TenantView, WaiterView
+from kiwid.daemon.context import Context
+from kiwid.daemon.policy import MIB, configured
+from kiwid.daemon.records import Departed, Histogram, SwapProgress
 from kiwid.daemon.tenants import TenantInfo
+
+STATUS_MAX_AGE_S = 0.1
+"""A cached status is rebuilt when something changed, or when it is older than this."""
 
 
 def ledger_json(ledger: LedgerView | None) -> dict[str, Any] | None:
@@ -36,22 +43,16 @@ def ledger_json(ledger: LedgerView | None) -> dict[str, Any] | None:
     }
 
 
-def tenant_json(
-    info: TenantInfo | None,
-    key: str,
-    state: TenantState,
-    gate_failure: str | None,
-    ledger: LedgerView | None = None,
-    *,
-    resident: bool | None = None,
-    swap_refusal: str | None = None,
-) -> dict[str, Any]:
+def tenant_json(info: TenantInfo | None, view: TenantView) -> dict[str, Any]:
     """One tenant, as status and ``tenants`` list it.
 
-    ``resident`` is ``False`` while its GPU memory is in host RAM; ``swap_refusal``
-    says why its last swap could not be done (e.g. the host memory floor).
+    ``resident`` is ``False`` while its GPU memory is off the card (``residency``
+    says where: in host RAM, or moving); ``waiting_for`` says why a gated tenant
+    is not let go although it may be next; ``swap_refusal`` why its memory may not
+    move for now (e.g. the host memory floor).
     """
     ident = info.identity if info else None
+    key = view.tenant
     return {
         "id": key,
         "name": ident.name if ident else key,
@@ -60,14 +61,17 @@ def tenant_json(
         "pod": ident.pod if ident else None,
         "namespace": ident.namespace if ident else None,
         "identity_source": ident.identity_source if ident else None,
-        "state": state.value,
+        "state": view.state.value,
         "pids": sorted(info.pids) if info else [],
-        "gpus": sorted(info.gpus) if info else [],
+        "gpus": sorted(info.gpus) if info else sorted(view.gpus),
         "footprint_bytes": sum(v or 0 for v in info.footprint.values()) if info else None,
-        "gate_failure": gate_failure,
-        "ledger": ledger_json(ledger),
-        "resident": resident,
-        "swap_refusal": swap_refusal,
+        "gate_failure": view.gate_failure,
+        "ledger": ledger_json(view.ledger),
+        "resident": view.resident,
+        "residency": view.residency.value,
+        "gated": view.gated,
+        "waiting_for": view.waiting_for,
+        "swap_refusal": view.swap_refusal,
     }
 
 
@@ -93,40 +97,26 @@ def swap_json(progress: SwapProgress | None, now: float) -> dict[str, Any] | Non
     }
 
 
-def build_status(
-    *,
-    pid: int,
-    config: Mapping[str, Any],
-    scheduling_on: bool,
-    devices: Sequence[DeviceInfo],
-    unhealthy: set[str],
-    configured: Mapping[str, tuple[float, float, str]],
-    view: SchedulerView,
-    tenants: Mapping[str, TenantInfo],
-    gate_failures: Mapping[str, str],
-    gate_method: str,
-    handovers: Mapping[str, Histogram],
-    departed: Sequence[Departed],
-    swaps: Mapping[str, SwapProgress] | None = None,
-    swap_refusals: Mapping[str, str] | None = None,
-    host_floor_bytes: int = 0,
-    reloads: Mapping[str, int],
-    uptime_s: float,
-) -> dict[str, Any]:
+def build_status(ctx: Context) -> dict[str, Any]:
     """Assemble the status object from the scheduler's view and kiwid's tables."""
-    now = view.now
+    now = ctx.clock()
+    engine = ctx.engine
+    view = engine.scheduler.view(now)
+    tenants = engine.tracker.tenants
+    swaps = engine.swaps
+    allowance = ctx.settings.scheduler.handover_allowance
     by_gpu = {g.gpu: g for g in view.gpus}
     gpus: list[dict[str, Any]] = []
-    for device in devices:
+    for device in ctx.devices:
         gid = str(device.index)
         g = by_gpu.get(gid)
         policy: GpuPolicy | None = g.policy if g else None
-        tq_conf, _, mode_conf = configured[gid]
+        tq_conf, _, mode_conf = configured(ctx.settings, device)
         holder = None
-        if g is not None and g.holder is not None and g.holder_since is not None:
+        if g is not None and g.holder is not None:
             holder = {
                 "tenant": g.holder,
-                "since_s": round(now - g.holder_since, 3),
+                "since_s": None if g.holder_since is None else round(now - g.holder_since, 3),
                 "remaining_s": None
                 if g.preempt_at is None
                 else round(max(0.0, g.preempt_at - now), 3),
@@ -138,7 +128,7 @@ def build_status(
                 "uuid": device.uuid,
                 "name": device.name,
                 "memory_total_bytes": device.memory_total_bytes,
-                "healthy": gid not in unhealthy,
+                "healthy": gid not in ctx.unhealthy,
                 "tq": policy.tq_s if policy else tq_conf,
                 "tq_configured": tq_conf,
                 "idle_release": policy.idle_release_s if policy else None,
@@ -147,58 +137,56 @@ def build_status(
                 "contended": bool(g and g.gating and g.waiters),
                 "gating": bool(g and g.gating),
                 "holder": holder,
-                "waiters": [
-                    {
-                        "tenant": w.tenant,
-                        "waiting_s": round(now - w.since, 3),
-                        "position": w.position,
-                        "eta_s": _eta(g, w.position, now) if g else None,
-                    }
-                    for w in (g.waiters if g else ())
-                ],
+                "waiters": []
+                if g is None
+                else [_waiter_json(g, w, now, allowance) for w in g.waiters],
                 "tenants": [
-                    tenant_json(
-                        tenants.get(t.tenant),
-                        t.tenant,
-                        t.state,
-                        gate_failures.get(t.tenant),
-                        t.ledger,
-                        resident=t.resident,
-                        swap_refusal=(swap_refusals or {}).get(t.tenant),
-                    )
-                    for t in view.tenants
-                    if gid in t.gpus
+                    tenant_json(tenants.get(t.tenant), t) for t in view.tenants if gid in t.gpus
                 ],
-                "handover_seconds": handovers.get(gid, Histogram()).as_json(),
-                "swap": swap_json(
-                    next((w for w in (swaps or {}).values() if gid in w.gpus), None), now
-                ),
+                "handover_seconds": engine.handovers.get(gid, Histogram()).as_json(),
+                "swap": swap_json(next((w for w in swaps.values() if gid in w.gpus), None), now),
                 "swap_mode": policy.swap.value if policy else None,
                 "memory_resident_bytes": g.memory_in_use_bytes if g else 0,
             }
         )
+    record = ctx.reload
     return {
         "version": __version__,
-        "pid": pid,
-        "config": dict(config),
-        "scheduling": "on" if scheduling_on else "off",
-        "gate": gate_method,
-        "uptime_s": round(uptime_s, 3),
-        "counters": {"reloads": dict(reloads)},
+        "pid": os.getpid(),
+        "config": {
+            "path": str(ctx.config_path),
+            "loaded_at_unix": record.loaded_at_unix,
+            "last_reload": record.as_json(),
+            "restart_pending": list(record.restart_pending),
+        },
+        "scheduling": "off" if ctx.overrides.scheduling_off else "on",
+        "gate": engine.effects.gate.method,
+        "uptime_s": round(now - ctx.started, 3),
+        "counters": {"reloads": dict(record.counts)},
         "gpus": gpus,
-        "host_floor_bytes": host_floor_bytes,
-        "departed": [_departed_json(d, now) for d in departed],
+        "host_floor_bytes": ctx.settings.memory.host_floor_mib * MIB,
+        "handover_allowance_s": allowance,
+        "departed": [_departed_json(d, now) for d in engine.departed(now)],
     }
 
 
-def _eta(gpu: GpuView, position: int, now: float) -> float:
-    """Seconds until the waiter at ``position`` is granted, if everyone ahead uses a full TQ.
+def _waiter_json(gpu: GpuView, waiter: WaiterView, now: float, allowance: float) -> dict[str, Any]:
+    """A waiter with its estimated turn and the bound on its wait.
 
-    An estimate: holders that go idle yield earlier, multi-GPU waiters may wait
-    for other GPUs too.
+    ``eta_s``: everyone ahead uses a full TQ and every hand-over before its turn
+    takes the allowance (holders that go idle yield earlier; multi-GPU waiters may
+    wait for other GPUs too). ``wait_bound_s``: (waiters ahead + 1) x TQ plus one
+    allowance, counted from when it started waiting.
     """
     remaining = max(0.0, gpu.preempt_at - now) if gpu.preempt_at is not None else 0.0
-    return round(remaining + (position - 1) * gpu.policy.tq_s, 3)
+    tq = gpu.policy.tq_s
+    return {
+        "tenant": waiter.tenant,
+        "waiting_s": round(now - waiter.since, 3),
+        "position": waiter.position,
+        "eta_s": round(remaining + (waiter.position - 1) * tq + waiter.position * allowance, 3),
+        "wait_bound_s": round(waiter.position * tq + allowance, 3),
+    }
 
 
 def _departed_json(d: Departed, now: float) -> dict[str, Any]:
@@ -226,3 +214,50 @@ def summary_line(status: Mapping[str, Any]) -> str:
             f"{len(gpu['waiters'])} waiting"
         )
     return "; ".join(parts) if parts else "no GPUs"
+
+
+class StatusCache:
+    """The status, rebuilt at most every STATUS_MAX_AGE_S unless something changed.
+
+    A hundred ``kiwictl status`` callers at once then cost one build and one
+    encoding, not a hundred; the times in it are at most that old.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        """Serve ``ctx``'s status."""
+        self._ctx = ctx
+        self._built: tuple[float, int, dict[str, Any], EncodedResult] | None = None
+        self._told: tuple[str, int] = ("", -1)  # systemd's STATUS= line, and when
+
+    def invalidate(self) -> None:
+        """Rebuild at the next read (after a reload or a runtime change)."""
+        self._built = None
+
+    def status(self) -> dict[str, Any]:
+        """The status object, from the cache when it is fresh."""
+        return self._fresh()[2]
+
+    def encoded(self) -> EncodedResult:
+        """The status object encoded as JSON (for the control socket)."""
+        return self._fresh()[3]
+
+    def tell_systemd(self) -> None:
+        """Send systemd a new ``STATUS=`` line when the summary changed."""
+        generation = self._ctx.engine.generation
+        if generation == self._told[1]:
+            return
+        line = summary_line(self.status())
+        if line != self._told[0]:
+            self._ctx.notifier.status(line)
+        self._told = (line, generation)
+
+    def _fresh(self) -> tuple[float, int, dict[str, Any], EncodedResult]:
+        now = self._ctx.clock()
+        generation = self._ctx.engine.generation
+        built = self._built
+        if built is None or built[1] != generation or now - built[0] > STATUS_MAX_AGE_S:
+            status = build_status(self._ctx)
+            # ASCII: a name read from /proc may hold undecodable bytes (as escapes).
+            encoded = EncodedResult(json.dumps(status, allow_nan=False).encode())
+            built = self._built = (now, generation, status, encoded)
+        return built

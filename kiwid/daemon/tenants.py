@@ -61,6 +61,18 @@ class GpuSample:
     active_pids: frozenset[int]
 
 
+@dataclass(frozen=True)
+class Hidden:
+    """A tenant missing from the GPUs' process lists that must be kept all the same.
+
+    Its memory is in host RAM (a checkpointed process vanishes from NVML's list);
+    the state file says so, with its processes and GPUs.
+    """
+
+    pids: frozenset[int]
+    gpus: frozenset[str]
+
+
 @dataclass
 class Registration:
     """A container announced by kiwi-hook before (or without) GPU processes."""
@@ -86,9 +98,6 @@ class TenantTracker:
         """
         self._identify = identify
         self._alive = alive or procs.alive
-        self.swapped: dict[str, TenantInfo] = {}
-        """Tenants whose memory is in host RAM: missing from the GPU's process list
-        (as NVML drops a checkpointed process), yet kept while a process lives."""
         self._by_pid: dict[int, Identity] = {}
         self.tenants: dict[str, TenantInfo] = {}
         self._last_key: object = None
@@ -99,24 +108,28 @@ class TenantTracker:
         """Tenants detached by the last poll (the engine takes them for its ledger)."""
 
     def observe(
-        self, samples: Iterable[GpuSample], now: float, lost_gpus: Iterable[str] = ()
+        self,
+        samples: Iterable[GpuSample],
+        now: float,
+        lost_gpus: Iterable[str] = (),
+        hidden: Mapping[str, Hidden] | None = None,
     ) -> list[Event]:
         """Return the events that this poll's ``samples`` amount to.
 
         GPUs in ``lost_gpus`` could not be read this time: their tenants keep
-        their last known state rather than being dropped.
+        their last known state rather than being dropped. ``hidden`` tenants are
+        kept while one of their processes lives, though no GPU lists them.
         """
         samples = list(samples)
         lost_set = frozenset(lost_gpus)
-        for gone in [k for k, i in self.swapped.items() if not any(map(self._alive, i.pids))]:
-            del self.swapped[gone]
+        keep = {k: h for k, h in (hidden or {}).items() if any(map(self._alive, h.pids))}
         # An idle node's polls repeat themselves: nothing to diff, nothing to say.
         # (Activity is news every time: it keeps a burst alive.)
         key = (
             tuple((s.gpu, tuple(s.processes)) for s in samples),
             lost_set,
             self._registry_version,
-            tuple(self.swapped),
+            tuple(sorted(keep)),
         )
         if key == self._last_key and not any(s.active_pids for s in samples):
             return []
@@ -144,11 +157,13 @@ class TenantTracker:
             if tid not in gpus:
                 gpus[tid] = set(reg.gpus)
                 pids[tid] = set(reg.pids)
-        for tid, info in self.swapped.items():  # swapped out: invisible, not gone
+        for tid, h in keep.items():  # swapped out: invisible, not gone
             if tid not in gpus:
-                gpus[tid] = set(info.gpus)
-                pids[tid] = set(info.pids)
-                seen_pids |= info.pids
+                alive = {pid for pid in h.pids if self._lookup(pid) is not None}
+                if alive:
+                    gpus[tid] = set(h.gpus)
+                    pids[tid] = alive
+                    seen_pids |= alive
         lost = lost_set
         for tid, info in self.tenants.items():  # keep tenants of unreadable GPUs
             kept = info.gpus & lost
@@ -159,12 +174,6 @@ class TenantTracker:
         for pid in set(self._by_pid) - seen_pids:
             del self._by_pid[pid]
         return self._diff(pids, gpus, memory, active, now)
-
-    def keep_swapped(self, info: TenantInfo) -> None:
-        """Keep a tenant whose memory went to host RAM while one of its PIDs lives."""
-        self.swapped[info.key] = info
-        for pid in info.pids:
-            self._by_pid[pid] = info.identity
 
     def register(self, reg: Registration) -> None:
         """Announce a container (its names win over what /proc tells)."""

@@ -129,7 +129,7 @@ def test_the_client_binds_the_proto_s_list_method() -> None:
 
 def test_kiwid_loads_grpc_only_when_it_asks_the_kubelet() -> None:
     code = (
-        "import sys, kiwid.daemon.runner, kiwid.adapters.podresources\nprint('grpc' in sys.modules)"
+        "import sys, kiwid.daemon.server, kiwid.adapters.podresources\nprint('grpc' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30

@@ -22,9 +22,9 @@ from kiwid.core.events import (
     TenantDetached,
     Tick,
     Ungate,
-    Ungated,
 )
 from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
+from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler
 
 GiB = 2**30
@@ -223,12 +223,10 @@ class Shell:
     """Carries out actions like the daemon's engine and checks that memory moves safely.
 
     Each event's actions are one batch; batches run in order, and what a batch
-    reports back (``SwapFinished``, ``Ungated``) goes to the core at once while
-    the actions that follow from it queue behind the batch, as in the engine.
-    Swaps succeed or fail as ``fates`` say; a failed swap-in leaves its tenant
-    gated (the engine skips its ungate), and a swap-in of memory that never left
-    is a no-op, as it is for the daemon's swappers. The model of what is gated and what
-    is in host RAM checks every action against the real world.
+    reports back (``SwapFinished``) goes to the core at once while the actions
+    that follow from it queue behind the batch. Swaps succeed or fail as ``fates``
+    say. The model of what is gated and what is in host RAM checks every action
+    against the real world.
     """
 
     sched: Scheduler
@@ -244,7 +242,7 @@ class Shell:
         while self.queue:
             self._run(self.queue.popleft())
         view = self.sched.view(self.now)
-        assert {t.tenant for t in view.tenants if not t.resident} == self.out
+        assert {t.tenant for t in view.tenants if t.residency is Residency.HOST} == self.out
         for gpu in view.gpus:
             if gpu.holder is not None:
                 assert gpu.holder not in self.out, f"holder {gpu.holder} in host RAM"
@@ -258,7 +256,6 @@ class Shell:
             self.queue.append(actions)
 
     def _run(self, batch: list[Action]) -> None:
-        stuck: set[str] = set()
         for action in batch:
             t = action.tenant
             if t not in self.sched.tenant_ids():
@@ -268,26 +265,18 @@ class Shell:
                 self.gated.add(t)
             elif isinstance(action, SwapOut | SwapIn):
                 assert t in self.gated, f"{action} of a tenant that runs"
-                # A swap-in may find the memory still on the card (its swap-out,
-                # queued earlier, failed): the swappers take that as done.
-                assert isinstance(action, SwapIn) or t not in self.out, f"{action} twice"
-                if isinstance(action, SwapIn) and t not in self.out:
-                    self._apply(SwapFinished(t, "in", ok=True))  # nothing to bring back
-                    continue
+                assert (t in self.out) == isinstance(action, SwapIn), f"{action} twice"
                 ok = self.fates[self.swaps % len(self.fates)]
                 self.swaps += 1
                 if ok:
                     (self.out.add if isinstance(action, SwapOut) else self.out.discard)(t)
-                elif isinstance(action, SwapIn):
-                    stuck.add(t)
                 direction = "out" if isinstance(action, SwapOut) else "in"
                 self._apply(SwapFinished(t, direction, ok, GiB if ok else 0, 0.5))
-            elif t not in stuck:
+            else:
                 assert isinstance(action, Ungate)
                 assert t in self.gated, f"ungate of an ungated {action}"
                 assert t not in self.out, f"{t} let go while its memory is in host RAM"
                 self.gated.discard(t)
-                self._apply(Ungated(t))
 
     def pass_time(self, seconds: float) -> None:
         end = self.now + seconds

@@ -3,8 +3,10 @@ from __future__ import annotations
 import pytest
 
 from kiwid.core.clock import FakeClock
+from kiwid.core.diagrams import document
 from kiwid.core.model import TenantState
-from kiwid.core.states import TRANSITIONS, InvalidTransition, Trigger, mermaid, transition
+from kiwid.core.residency import MOVES, InvalidMove, Move, Residency, move
+from kiwid.core.states import TRANSITIONS, InvalidTransition, Trigger, transition
 
 
 def test_every_listed_transition_is_allowed() -> None:
@@ -27,14 +29,41 @@ def test_only_waiting_is_reached_by_gating_triggers() -> None:
         Trigger.GATING_STARTED,
         Trigger.SWAPPED_OUT,  # gated to be swapped out
         Trigger.SWAP_IN_FAILED,  # never let go: its memory is still in host RAM
+        Trigger.ADOPTED,  # a previous kiwid gated it
     }
     for (_, trigger), target in TRANSITIONS.items():
         assert (target is TenantState.WAITING) == (trigger in gating)
 
 
-def test_docs_diagram_is_generated_from_the_table() -> None:
+def test_docs_diagrams_are_generated_from_the_tables() -> None:
     with open("docs/states.md") as f:
-        assert mermaid() in f.read()
+        assert f.read() == document()
+
+
+def test_every_listed_move_is_allowed_and_no_other() -> None:
+    for (residency, why), target in MOVES.items():
+        assert move(residency, why) is target
+    unlisted = [(r, m) for r in Residency for m in Move if (r, m) not in MOVES]
+    for residency, why in unlisted:
+        with pytest.raises(InvalidMove, match=residency.value):
+            move(residency, why)
+
+
+def test_only_memory_on_the_card_may_run_and_a_move_is_one_state() -> None:
+    # Every way back to the card ends a restore; every move in flight takes room.
+    on_card = {r for r in Residency if r.on_card}
+    assert on_card == {Residency.RESIDENT, Residency.PREFETCHED}
+    for (residency, why), target in MOVES.items():
+        if target in on_card and residency not in on_card:
+            assert why in (Move.IN_DONE, Move.OUT_FAILED), (residency, why)
+        if target.moving:
+            assert target.takes_room
+    # A move in flight can only end (or, a prefetch, turn into its grant's restore).
+    for (residency, why), target in MOVES.items():
+        if residency.moving:
+            assert why in (Move.OUT_DONE, Move.OUT_FAILED, Move.IN_DONE, Move.IN_FAILED) or (
+                residency is Residency.PREFETCHING and why is Move.GRANTED
+            ), (residency, why, target)
 
 
 def test_fake_clock() -> None:

@@ -45,7 +45,7 @@ def test_a_container_registered_while_the_gpu_is_busy_starts_frozen(start_kiwid,
 def test_a_container_registered_on_a_free_gpu_starts_at_once(start_kiwid, tenants) -> None:
     k = start_kiwid(tq=30, poll=0.05)
     c = tenants("c", busy=False)
-    answer = k.call("register", {"id": "c1", "cgroup_v2": cgroup_of(c), "hold": True})
+    answer = k.call("register", {"id": "c1", "cgroup_v2": cgroup_of(c), "pid": c.pid, "hold": True})
     assert answer["held"] is False
     assert not c.frozen()
     assert k.call("unregister", {"id": "c1"}) == {"removed": True}
@@ -55,14 +55,23 @@ def test_a_container_registered_on_a_free_gpu_starts_at_once(start_kiwid, tenant
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        ({"id": "x"}, "no cgroup path"),
-        ({"id": "x", "cgroup_v2": "/"}, "shared"),
-        ({"id": "x", "cgroup_v2": "/a/b", "gpus": ["9"]}, "no GPU '9'"),
+        ({}, "a process id is needed"),
+        ({"cgroup_v2": "/a/b", "pid": "PID"}, "is not the cgroup of pid"),
+        ({"cgroup_v2": "CGROUP", "pid": "PID", "gpus": ["9"]}, "no GPU '9'"),
     ],
 )
-def test_bad_registrations_are_refused_and_change_nothing(start_kiwid, args, words) -> None:
+def test_bad_registrations_are_refused_and_change_nothing(
+    start_kiwid, tenants, args, words
+) -> None:
     k = start_kiwid()
+    c = tenants("c", busy=False)
+    given = {"CGROUP": cgroup_of(c), "PID": c.pid}
+    args = {
+        "id": "x",
+        **{key: given.get(v, v) if isinstance(v, str) else v for key, v in args.items()},
+    }
     with pytest.raises(ControlError, match=words) as info:
         k.call("register", args)
     assert info.value.code == "invalid-value"
+    assert not c.frozen()
     assert k.tenant_states() == {}

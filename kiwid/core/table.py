@@ -1,0 +1,250 @@
+"""The scheduler's tables and the primitives every rule uses.
+
+:class:`TenantTable` owns the tenants (:class:`~kiwid.core.tenant.TenantRecord`),
+the per-GPU index, the policies, the FIFO counters and the log of transitions. The
+rules that change them live in :mod:`kiwid.core.rotation`; the public API in
+:mod:`kiwid.core.scheduler`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kiwid.core.events import Action, Gate, Ungate
+from kiwid.core.memory import HostMemory
+from kiwid.core.model import GpuId, GpuPolicy, Mode, TenantId, TenantState
+from kiwid.core.residency import Move, Residency, move
+from kiwid.core.states import Trigger, transition
+from kiwid.core.tenant import TenantRecord
+
+S = TenantState
+NO_GPU: GpuId = ""  # index key for tenants attached to no GPU
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One tenant state change, for the daemon's log (the story of a rotation)."""
+
+    tenant: TenantId
+    old: TenantState
+    new: TenantState
+    trigger: Trigger
+    at: float
+
+
+class TenantTable:
+    """Tenants, policies and the bookkeeping shared by the scheduler's rules."""
+
+    def __init__(self, policies: dict[GpuId, GpuPolicy], default: GpuPolicy) -> None:
+        """Start empty, with ``policies`` per GPU and ``default`` for tenants on none."""
+        self.policies = policies
+        self.default = default
+        self.tenants: dict[TenantId, TenantRecord] = {}
+        self.by_gpu: dict[GpuId, set[TenantId]] = {}
+        # Bounded: a caller that never drains (a benchmark) must not grow it forever.
+        self.transitions: deque[Transition] = deque(maxlen=4096)
+        self.notices: deque[tuple[TenantId, str]] = deque(maxlen=4096)
+        """Decisions worth a log line that are no state change (a refused swap)."""
+        self.now = -math.inf
+        # Per GPU, the earliest time one of its tenants needs a Tick. It may be
+        # stale-early (activity moved a deadline later): that costs one scoped
+        # reconcile, never a missed deadline.
+        self.deadlines: dict[GpuId, float] = {}
+        self.restore_rate: dict[GpuId, float] = {}  # bytes/s, smoothed, per GPU
+        self.host = HostMemory()
+        self._seq = itertools.count()
+        self._claims = itertools.count()
+
+    # ------------------------------------------------------------ membership
+
+    def next_seq(self) -> int:
+        """A new queue position, after every one drawn before (FIFO)."""
+        return next(self._seq)
+
+    def next_claim(self) -> int:
+        """A new claim order, after every one drawn before."""
+        return next(self._claims)
+
+    def index(self, tenant: TenantRecord) -> None:
+        """Add ``tenant`` to the per-GPU index."""
+        for gpu in tenant.gpus or (NO_GPU,):
+            self.by_gpu.setdefault(gpu, set()).add(tenant.id)
+
+    def unindex(self, tenant: TenantRecord) -> None:
+        """Remove ``tenant`` from the per-GPU index."""
+        for gpu in tenant.gpus or (NO_GPU,):
+            members = self.by_gpu.get(gpu)
+            if members is not None:
+                members.discard(tenant.id)
+                if not members:
+                    del self.by_gpu[gpu]
+
+    def members(self, gpu: GpuId) -> list[TenantRecord]:
+        """The tenants on ``gpu``."""
+        return [self.tenants[tid] for tid in self.by_gpu.get(gpu, ())]
+
+    def closure(self, gpus: set[GpuId]) -> list[TenantRecord]:
+        """Every tenant linked to ``gpus``, directly or through multi-GPU tenants."""
+        seen_gpus: set[GpuId] = set()
+        found: dict[TenantId, TenantRecord] = {}
+        todo = list(gpus)
+        while todo:
+            gpu = todo.pop()
+            if gpu in seen_gpus:
+                continue
+            seen_gpus.add(gpu)
+            for tid in self.by_gpu.get(gpu, ()):
+                if tid not in found:
+                    tenant = self.tenants[tid]
+                    found[tid] = tenant
+                    todo.extend(tenant.gpus - seen_gpus)
+        return list(found.values())
+
+    # ------------------------------------------------------------ policy
+
+    def policy_of(self, tenant: TenantRecord) -> GpuPolicy:
+        """The policy that times a tenant: the strictest of its managed GPUs."""
+        managed = [self.policies[g] for g in tenant.gpus if g in self.policies]
+        if not managed:
+            return self.default
+        return min(managed, key=lambda p: p.idle_release_s)
+
+    def gating(
+        self, gpus: Iterable[GpuId] | None = None, extra: TenantRecord | None = None
+    ) -> frozenset[GpuId]:
+        """Which of ``gpus`` (default all) gate now (``extra`` counts as bursting)."""
+        gating: set[GpuId] = set()
+        for gpu in self.policies if gpus is None else gpus:
+            policy = self.policies.get(gpu)
+            if policy is None or policy.mode is Mode.OFF:
+                continue
+            if policy.mode is Mode.EXCLUSIVE:
+                gating.add(gpu)
+                continue
+            demand = 0
+            for tid in self.by_gpu.get(gpu, ()):
+                t = self.tenants[tid]
+                if t.bursting or t is extra:
+                    demand += t.footprint.get(gpu) or 0
+            if demand > policy.capacity_bytes - policy.reserve_bytes:
+                gating.add(gpu)
+        return frozenset(gating)
+
+    # ------------------------------------------------------------ queue
+
+    def queue(
+        self, gating: frozenset[GpuId], among: Iterable[TenantRecord] | None = None
+    ) -> list[TenantRecord]:
+        """Tenants that want gated GPUs they do not hold, first come first."""
+        wanting = [
+            t
+            for t in (self.tenants.values() if among is None else among)
+            if t.state in (S.WAITING, S.CORUNNING) and t.gpus & gating
+        ]
+        return sorted(wanting, key=lambda t: t.seq)
+
+    def claimed(
+        self,
+        gating: frozenset[GpuId],
+        among: Iterable[TenantRecord],
+        exclude: TenantRecord | None = None,
+    ) -> set[GpuId]:
+        """Gated GPUs that a holder holds or that an earlier burst is queued for.
+
+        A tenant re-adopted from a previous kiwid claims nothing until its patience
+        is over: a tenant that runs ungated keeps the GPU it was given.
+        """
+        claimed: set[GpuId] = set()
+        for t in among:
+            if t is not exclude and t.state is not S.IDLE and t.adopting_until <= self.now:
+                claimed |= t.gpus & gating
+        return claimed
+
+    def wanted(self, gating: frozenset[GpuId], among: Iterable[TenantRecord]) -> set[GpuId]:
+        """Gated GPUs that a waiting or co-running tenant wants."""
+        wanted: set[GpuId] = set()
+        for t in among:
+            if t.state in (S.WAITING, S.CORUNNING):
+                wanted |= t.gpus & gating
+        return wanted
+
+    def preempt_at(
+        self,
+        holder: TenantRecord,
+        gating: frozenset[GpuId],
+        wanted: set[GpuId] | None = None,
+    ) -> float | None:
+        """When ``holder`` must yield: quantum start + the shortest TQ of its contested GPUs.
+
+        ``wanted`` are the gated GPUs that waiters want (computed if not given).
+        """
+        if holder.granted_at is None:
+            return None  # its quantum has not begun (its memory is coming back)
+        if wanted is None:
+            wanted = self.wanted(gating, self.closure(set(holder.gpus)))
+        contested = holder.gpus & gating & wanted
+        if not contested:
+            return None
+        return holder.granted_at + min(self.policies[g].tq_s for g in contested)
+
+    def idle_at(self, tenant: TenantRecord) -> float:
+        """When a running holder or co-runner without further activity goes idle."""
+        if tenant.gated:
+            return math.inf  # not let go yet: it cannot have shown activity
+        start = max(
+            (t for t in (tenant.granted_at, tenant.last_active) if t is not None),
+            default=self.now,
+        )
+        return start + self.policy_of(tenant).idle_release_s
+
+    # ------------------------------------------------------------ changes
+
+    def set_state(self, tenant: TenantRecord, trigger: Trigger, now: float) -> None:
+        """Move ``tenant`` through the state table, booking the time in its ledger."""
+        new = transition(tenant.state, trigger)
+        ledger = tenant.ledger
+        ledger.close(tenant.state, tenant.state_since, now)
+        if tenant.state is S.HOLDER and tenant.granted_at is not None:
+            tenant.known = True  # one hold seen: its peak is its working set
+        if new is S.HOLDER:
+            ledger.quanta += 1
+            tenant.last_run = now
+            tenant.claim = self.next_claim()
+        elif trigger is Trigger.PREEMPTED:
+            ledger.preempted += 1
+        elif trigger is Trigger.IDLE_TIMEOUT and tenant.state is S.HOLDER:
+            ledger.early_releases += 1
+        self.transitions.append(Transition(tenant.id, tenant.state, new, trigger, now))
+        tenant.state = new
+        tenant.state_since = now
+
+    def gate(self, tenant: TenantRecord, actions: list[Action]) -> None:
+        """Ask for ``tenant`` to be gated (once: a gated tenant is not asked again)."""
+        if not tenant.gated:
+            tenant.gated = True
+            actions.append(Gate(tenant.id))
+
+    def let_go(self, tenant: TenantRecord, now: float, actions: list[Action]) -> None:
+        """Ungate a tenant whose memory is on the card; a holder's quantum starts."""
+        assert tenant.residency.on_card, f"{tenant.id} let go from {tenant.residency}"
+        if tenant.residency is Residency.PREFETCHED:
+            tenant.residency = move(tenant.residency, Move.GRANTED)
+        tenant.gated = False
+        tenant.gate_failure = tenant.waiting_for = None
+        if tenant.refused_until_run:
+            tenant.swap_refusal = None
+            tenant.refused_until_run = False
+        actions.append(Ungate(tenant.id))
+        if tenant.state is S.HOLDER:
+            tenant.granted_at = now
+        tenant.last_active = now  # a fresh window to show activity
+
+    def requeue(self, tenant: TenantRecord, trigger: Trigger, now: float) -> None:
+        """A holder goes back to the queue (preempted, or its memory cannot come back)."""
+        self.set_state(tenant, trigger, now)
+        tenant.granted_at = None
+        tenant.seq = self.next_seq()

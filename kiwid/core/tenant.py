@@ -1,0 +1,84 @@
+"""The core's record of one tenant (mutable; never leaves the core)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kiwid.core.ledger import Ledger
+from kiwid.core.model import GpuId, TenantId, TenantState
+from kiwid.core.residency import Residency
+
+S = TenantState
+
+
+@dataclass
+class TenantRecord:
+    """Everything the scheduler knows of one tenant.
+
+    Its scheduling state and its memory's residency are each one value of a
+    transition table (:mod:`kiwid.core.states`, :mod:`kiwid.core.residency`); the
+    rest are inputs (what it was seen doing) and timers.
+    """
+
+    id: TenantId
+    gpus: frozenset[GpuId]
+    seq: int
+    """Queue order: lower is earlier (FIFO; re-drawn when it is queued again)."""
+    state: TenantState = S.IDLE
+    state_since: float = 0.0
+    last_active: float | None = None
+    granted_at: float | None = None
+    """When its quantum began: the moment it was let go after its grant (``None``:
+    not holding, or granted and still gated while its memory comes back)."""
+    claim: int = -1
+    """Order of its claim on the GPUs it holds now: its grant, or a later change of
+    its GPUs (a counter, so that claims at the same instant are still ordered)."""
+    gated: bool = False
+    """The scheduler asked for it to be gated and has not let it go since."""
+    residency: Residency = Residency.RESIDENT
+    footprint: dict[GpuId, int | None] = field(default_factory=dict)
+    peak: dict[GpuId, int] = field(default_factory=dict)
+    """The most memory it was seen using, per GPU (remembered while swapped)."""
+    known: bool = False
+    """Whether it held the GPU before, so that ``peak`` is its working set."""
+    last_run: float = -math.inf
+    """When it was last granted (the least recently run is swapped out first)."""
+    retry_at: float = -math.inf
+    """Its memory could not come back: not granted again before this time."""
+    adopting_until: float = -math.inf
+    """Re-adopted from a previous kiwid: until then it claims no GPU, so that the
+    tenants that run show their activity first."""
+    swap_refusal: str | None = None
+    """Why its memory may not be moved for now (``None``: it may)."""
+    refused_until_run: bool = False
+    """``swap_refusal`` came from a failed swap-out: it holds until it runs again."""
+    gate_failure: str | None = None
+    """Why its last gate did not take: it runs on, so its memory must not move."""
+    waiting_for: str | None = None
+    """Why a gated tenant is not let go although nothing is ahead of it."""
+    ledger: Ledger = field(default_factory=Ledger)
+
+    @property
+    def bursting(self) -> bool:
+        """Whether it is in a burst (any state but idle)."""
+        return self.state is not S.IDLE
+
+    @property
+    def running(self) -> bool:
+        """Whether it holds or co-runs and was let go (its quantum, if any, runs)."""
+        return self.state in (S.HOLDER, S.CORUNNING) and not self.gated
+
+    @property
+    def starting(self) -> bool:
+        """Granted but still gated: its memory is coming back, or room is being made."""
+        return self.state is S.HOLDER and self.gated
+
+    @property
+    def movable(self) -> bool:
+        """Whether its memory may be swapped out now (gated or about to be, no refusal)."""
+        return self.swap_refusal is None and self.gate_failure is None
+
+    def size(self, gpu: GpuId) -> int:
+        """The memory it takes on ``gpu`` when on the card."""
+        return max(self.peak.get(gpu, 0), self.footprint.get(gpu) or 0)

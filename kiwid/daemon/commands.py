@@ -1,0 +1,205 @@
+"""The control commands kiwictl and kiwi-hook send, as one table.
+
+The control adapter (:mod:`kiwid.adapters.control`) owns the wire: framing, the
+argument schema (names and types) and who may send what. This module owns what
+each command means, one handler per name; :data:`HANDLERS` covers exactly the
+adapter's commands (a test checks it). Values are judged here: a refusal raises
+:class:`~kiwid.adapters.control.ControlError` ``invalid-value`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kiwid import __version__
+from kiwid.adapters.control import ControlError, EncodedResult, Peer
+from kiwid.adapters.sim import SimBackend
+from kiwid.config.loader import SHORT_TQ_S
+from kiwid.core.model import GpuPolicy
+from kiwid.daemon.admission import Admission
+from kiwid.daemon.context import Context
+from kiwid.daemon.logs import seconds
+from kiwid.daemon.status import StatusCache, tenant_json
+from kiwid.linux.proc import uids
+
+log = logging.getLogger("kiwid")
+
+Result = dict[str, Any] | EncodedResult
+Handler = Callable[["Commands", dict[str, Any], Peer], Awaitable[Result]]
+
+SHORT_TQ_WARNING = (
+    "a TQ of 5 s or less is discouraged: each hand-over moves the tenant's GPU memory, "
+    "so with a short quantum the application spends its window waiting for its data"
+)
+MAX_TQ_S = 86400.0
+
+
+class Commands:
+    """Answers control requests (already parsed, typed and authorised by the adapter)."""
+
+    def __init__(self, ctx: Context, status: StatusCache, admission: Admission) -> None:
+        """Answer from ``ctx``; ``status`` serves reads, ``admission`` containers."""
+        self.ctx = ctx
+        self.status = status
+        self.admission = admission
+
+    async def handle(self, cmd: str, args: dict[str, Any], peer: Peer) -> Result:
+        """Answer one request.
+
+        Raises:
+            ControlError: the request is refused; its code and message say why.
+        """
+        handler = HANDLERS.get(cmd)
+        if handler is None:
+            raise ControlError("unknown-command", f"unknown command {cmd!r}")
+        return await handler(self, args, peer)
+
+    def apply_policies(self) -> tuple[dict[str, GpuPolicy], dict[str, GpuPolicy]]:
+        """Tell the scheduler the policies in force now; return (before, after)."""
+        before = self.ctx.engine.scheduler.policies()
+        event = self.ctx.configured()
+        self.ctx.engine.apply([event])
+        self.status.invalidate()
+        return before, dict(event.policies)
+
+
+async def _ping(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    return {"version": __version__}
+
+
+async def _status(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    return c.status.encoded()
+
+
+async def _tenants(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    engine = c.ctx.engine
+    view = engine.scheduler.view(c.ctx.clock())
+    return {"tenants": [tenant_json(engine.tracker.tenants.get(t.tenant), t) for t in view.tenants]}
+
+
+async def _set_tq(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    tq = args["tq"]
+    if not math.isfinite(tq) or tq <= 0:
+        raise ControlError("invalid-value", f"TQ must be a number of seconds > 0, not {tq!r}")
+    if tq > MAX_TQ_S:
+        raise ControlError("invalid-value", f"TQ of {tq:g} s is more than a day; refusing")
+    overrides = c.ctx.overrides
+    if args.get("gpu") is None:
+        gpu = None
+        gpus = [str(d.index) for d in c.ctx.devices]
+    else:
+        gpu = c.ctx.gpu_of(args["gpu"])
+        if gpu is None:
+            known = ", ".join(str(d.index) for d in c.ctx.devices) or "none"
+            raise ControlError(
+                "invalid-value", f"no GPU {args['gpu']!r} on this node (GPUs: {known})"
+            )
+        gpus = [gpu]
+    if gpu is None:
+        overrides.tq = float(tq)
+        overrides.gpu_tq.clear()
+    else:
+        overrides.gpu_tq[gpu] = float(tq)
+    before, after = c.apply_policies()
+    log.info(
+        "Runtime TQ change by uid %d (not persisted; %s keeps its value)",
+        peer.uid,
+        c.ctx.config_path,
+    )
+    log_tq_changes(before, after)
+    warning = SHORT_TQ_WARNING if tq <= SHORT_TQ_S else None
+    if warning:
+        log.warning("TQ %s s: %s", seconds(tq), warning)
+    return {"tq": float(tq), "gpus": gpus, "warning": warning}
+
+
+async def _set_mode(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    mode = args["mode"]
+    if mode not in ("exclusive", "auto", "off", "on"):
+        raise ControlError(
+            "invalid-value", f"mode must be exclusive, auto, off or on, not {mode!r}"
+        )
+    overrides = c.ctx.overrides
+    overrides.scheduling_off = mode == "off"
+    if mode == "on":
+        overrides.mode = None
+    elif mode != "off":
+        overrides.mode = mode
+    _, policies = c.apply_policies()
+    modes = sorted({p.mode.value for p in policies.values()})
+    log.info(
+        "Scheduling mode = %s (runtime change by uid %d, not persisted)", "/".join(modes), peer.uid
+    )
+    return {"mode": "/".join(modes) or mode, "gpus": sorted(policies)}
+
+
+def _sim(c: Commands, cmd: str) -> SimBackend:
+    backend = c.ctx.backend
+    if not isinstance(backend, SimBackend):
+        raise ControlError("unavailable", f'{cmd} needs [gpu] backend = "sim"')
+    return backend
+
+
+async def _sim_attach(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    backend = _sim(c, "sim-attach")
+    pid = args["pid"]
+    owner = uids(pid) if pid > 0 else None
+    if owner is None:
+        raise ControlError("invalid-value", f"no running process with pid {pid}")
+    if peer.uid != 0 and peer.uid not in owner:
+        raise ControlError(
+            "forbidden",
+            f"pid {pid} belongs to uid {owner[0]}: only root may attach another user's process",
+        )
+    try:
+        backend.attach(
+            pid,
+            args.get("gpu", 0),
+            args.get("memory_bytes", 0),
+            args.get("activity", "cpu"),
+        )
+    except ValueError as err:
+        raise ControlError("invalid-value", str(err)) from None
+    return {"attached": pid}
+
+
+async def _sim_detach(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    return {"detached": _sim(c, "sim-detach").detach(args["pid"])}
+
+
+async def _register(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    return await c.admission.register(args, peer)
+
+
+async def _unregister(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    return await c.admission.unregister(args, peer)
+
+
+HANDLERS: dict[str, Handler] = {
+    "ping": _ping,
+    "status": _status,
+    "tenants": _tenants,
+    "set-tq": _set_tq,
+    "set-mode": _set_mode,
+    "sim-attach": _sim_attach,
+    "sim-detach": _sim_detach,
+    "register": _register,
+    "unregister": _unregister,
+}
+"""Command name -> handler: exactly the commands of the control adapter's schema."""
+
+
+def log_tq_changes(before: dict[str, GpuPolicy], after: dict[str, GpuPolicy]) -> None:
+    """Log ``[INFO] New TQ = 20`` (or one line per GPU) for what changed."""
+    changed = {g: p.tq_s for g, p in after.items() if g not in before or before[g].tq_s != p.tq_s}
+    if not changed:
+        return
+    values = set(changed.values())
+    if len(changed) == len(after) and len(values) == 1:
+        log.info("New TQ = %s", seconds(values.pop()))
+        return
+    for gpu, tq in sorted(changed.items()):
+        log.info("New TQ = %s on GPU %s", seconds(tq), gpu)

@@ -1,0 +1,162 @@
+"""Letting go of recorded tenants: one path for start-up, shutdown and ``kiwid recover``.
+
+For each record of the state file: if its memory is in host RAM and a process of
+it still lives, bring the memory back (when the card has room); then ungate it;
+then forget the record. Tenants whose memory is on the card go first, so that the
+swapped ones find room. A tenant that cannot be let go stays recorded (and gated),
+and the caller says so. The state file is written once at the end, whatever the
+number of records, so recovering thousands costs thousands of ungates, not
+thousands of fsyncs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiwid.adapters import procs
+from kiwid.core.events import Event, TenantAdopted
+from kiwid.daemon.context import Context
+from kiwid.daemon.gates import GateError, TenantGate, ungate_record
+from kiwid.daemon.state import GatedRecord, StateError, StateFile
+from kiwid.daemon.swap import SwapError, Swapper, restore_record
+
+log = logging.getLogger("kiwid.recovery")
+
+
+@dataclass(frozen=True)
+class Undo:
+    """How this process undoes a record: its gate's ungate, its swapper's restore."""
+
+    ungate: Callable[[GatedRecord], None]
+    """Raises :class:`~kiwid.daemon.gates.GateError` if it cannot."""
+    restore: Callable[[GatedRecord], None]
+    """Raises :class:`~kiwid.daemon.swap.SwapError` if it cannot."""
+
+
+def undo_with(
+    state_dir: Path, gate: TenantGate | None = None, swapper: Swapper | None = None
+) -> Callable[[GatedRecord], Undo]:
+    """How to undo each record: with the live gate and swapper where they made it.
+
+    A record made another way (a previous kiwid with another gate) is undone the
+    way it names, as ``kiwid recover`` does without a daemon.
+    """
+
+    def offline_restore(record: GatedRecord) -> None:
+        restore_record(record, state_dir)
+
+    def undo(record: GatedRecord) -> Undo:
+        ungate = gate.ungate if gate is not None and gate.method == record.method else ungate_record
+        restore = offline_restore
+        if swapper is not None and swapper.method == record.swap_method:
+            restore = swapper.swap_in
+        return Undo(ungate, restore)
+
+    return undo
+
+
+def alive(record: GatedRecord) -> bool:
+    """Whether a process of the recorded tenant still runs (the same process)."""
+    return any(procs.alive(pid, start) for pid, start in record.pid_starts().items())
+
+
+def release(record: GatedRecord, undo: Undo, note: str = "") -> str | None:
+    """Restore (if swapped and alive) and ungate one tenant; why not, if it could not.
+
+    ``note`` ends the log line (e.g. who left it gated).
+    """
+    if record.swapped:
+        if not alive(record):
+            log.info("Dropped %s: its processes are gone (and its host memory)", record.tenant)
+            return None
+        try:
+            undo.restore(record)
+        except SwapError as err:
+            return (
+                f"its {sum(record.swapped.values())} bytes stay in host RAM and it stays "
+                f"gated ({err}). Free GPU memory (stop another job) and run `kiwid recover` "
+                f"again, or end the tenant (pids {' '.join(map(str, record.pids))})"
+            )
+        log.info("Restored %s's memory from host RAM", record.tenant)
+    try:
+        undo.ungate(record)
+    except GateError as err:
+        return str(err)
+    log.info("Ungated %s%s", record.tenant, note)
+    return None
+
+
+def release_all(
+    state: StateFile,
+    records: Iterable[GatedRecord],
+    undo: Callable[[GatedRecord], Undo],
+    note: str = "",
+) -> dict[str, str]:
+    """Let go of ``records`` (resident ones first); return those kept, with why.
+
+    The released are dropped from ``state`` with one write; ``note`` ends each
+    "Ungated" line.
+    """
+    kept: dict[str, str] = {}
+    released: list[str] = []
+    for record in sorted(records, key=lambda r: (bool(r.swapped), r.tenant)):
+        why = release(record, undo(record), note)
+        if why is None:
+            released.append(record.tenant)
+        else:
+            kept[record.tenant] = why
+            kind = "Kept swapped" if record.swapped else "Kept gated"
+            log.error("%s: %s: %s", kind, record.tenant, why)
+    state.drop_many(released)
+    return kept
+
+
+def report_skipped(state: StateFile) -> None:
+    """Log each record of the last load that was not of the documented shape."""
+    for tenant, why in sorted(state.skipped.items()):
+        log.error(
+            "Skipped record %r of %s: %s; nothing was done for it (thaw it by hand if it is "
+            "a frozen cgroup: echo 0 > /sys/fs/cgroup/<path>/cgroup.freeze)",
+            tenant,
+            state.path,
+            why,
+        )
+
+
+def readopt(ctx: Context, poll: Callable[[Context], list[Event]]) -> None:
+    """At start: re-adopt what a previous kiwid (crash, SIGKILL, restart) left gated.
+
+    Tenants gated another way than this daemon gates, or gone, are let go at once;
+    the others are queued again, gated, by the scheduler (which gives running
+    tenants ``idle_release`` seconds to show their activity first). ``poll`` is
+    the first poll, which attaches the tenants (those in host RAM too).
+    """
+    engine, state = ctx.engine, ctx.state
+    try:
+        records = state.load()
+    except StateError as err:
+        log.error("Ignoring the state file: %s", err)
+        records = {}
+    report_skipped(state)
+    if state.skipped:
+        state.replace_all(records)
+    undo = undo_with(state.dir, engine.effects.gate, engine.effects.swapper)
+    foreign = [r for r in records.values() if r.method != engine.effects.gate.method]
+    previous = ", left gated by a previous kiwid"
+    release_all(state, foreign, undo, previous)
+    engine.apply([ctx.configured()])
+    engine.apply(poll(ctx))
+    adopted: list[GatedRecord] = []
+    gone: list[GatedRecord] = []
+    for key, record in state.records.items():
+        (adopted if key in engine.tracker.tenants else gone).append(record)
+    release_all(state, gone, undo, previous)
+    engine.apply([TenantAdopted(r.tenant, r.swapped) for r in adopted])
+    for record in adopted:
+        where = "its memory is in host RAM; " if record.swapped else ""
+        log.info("Re-adopted %s: %sit waits for its turn", record.tenant, where)
+    if not state.records:
+        state.clear()

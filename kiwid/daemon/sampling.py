@@ -1,0 +1,63 @@
+"""One poll: every GPU's processes and activity, turned into scheduler events.
+
+Reads the backend (NVML or the sim), maps PIDs to tenants (the tracker), keeps a
+GPU that stopped answering out of the rotation until it answers again, reads the
+host's available RAM for the swap floor, and hands the events to the engine.
+A tenant whose memory is in host RAM is missing from the GPU's process list (as
+NVML drops a checkpointed process): the state file, which records it before its
+memory leaves, keeps it in the table while one of its processes lives.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kiwid.adapters import procs
+from kiwid.adapters.gpu import GpuLost
+from kiwid.core.events import Event, HostMemorySeen
+from kiwid.daemon.context import Context
+from kiwid.daemon.state import GatedRecord
+from kiwid.daemon.tenants import GpuSample, Hidden
+
+log = logging.getLogger("kiwid")
+
+
+def hidden_tenants(records: dict[str, GatedRecord]) -> dict[str, Hidden]:
+    """Tenants whose memory the state file records in host RAM (kept while alive)."""
+    return {
+        key: Hidden(frozenset(r.pids), frozenset(r.swapped or ()))
+        for key, r in records.items()
+        if r.swapped
+    }
+
+
+def poll(ctx: Context) -> list[Event]:
+    """Sample every GPU; return the events that the differences amount to."""
+    samples: list[GpuSample] = []
+    lost: list[str] = []
+    window = ctx.settings.gpu.poll_interval
+    health_changed = False
+    for device in ctx.devices:
+        gid = str(device.index)
+        try:
+            processes = ctx.backend.processes(device.index)
+            active = ctx.backend.active_pids(device.index, window)
+        except GpuLost as err:
+            lost.append(gid)
+            if gid not in ctx.unhealthy:
+                ctx.unhealthy.add(gid)
+                health_changed = True
+                log.error("GPU %s is lost (%s): its tenants are no longer gated", gid, err)
+            continue
+        if gid in ctx.unhealthy:
+            ctx.unhealthy.discard(gid)
+            health_changed = True
+            log.info("GPU %s is back", gid)
+        samples.append(GpuSample(gid, processes, active))
+    hidden = hidden_tenants(ctx.state.records)
+    events = ctx.engine.tracker.observe(samples, ctx.clock(), lost, hidden)
+    if health_changed:
+        events.insert(0, ctx.configured())
+    if ctx.can_swap and ctx.settings.memory.swap != "none":
+        events.append(HostMemorySeen(procs.available_host_memory()))
+    return events

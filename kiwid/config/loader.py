@@ -34,6 +34,7 @@ from kiwid.config.schema import (
     SchedulerSettings,
     Settings,
 )
+from kiwid.linux.files import NotRegularFile, TooLarge, read_regular
 
 DEFAULT_PATH = Path("/etc/kiwi.toml")
 """Where ``kiwid check-config`` looks when given no path."""
@@ -41,9 +42,14 @@ DEFAULT_PATH = Path("/etc/kiwi.toml")
 SHORT_TQ_S = 5.0
 """A TQ at or below this many seconds draws a warning."""
 
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest configuration file read, in bytes (1 MiB). The shipped file, every
+key commented, is about 6 KiB; anything this large is the wrong file."""
+
 _SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes including the final NUL
 _GPU_KEY = re.compile(r"0|[1-9][0-9]*|(?:GPU|MIG)-\S+")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_INT64 = range(-(2**63), 2**63)  # TOML integers; tomllib accepts longer ones
 
 
 class ConfigError(Exception):
@@ -192,12 +198,19 @@ def _host_port(value: str) -> bool:
 
 
 def _has_kind(value: object, kind: type) -> bool:
-    """Whether ``value`` has TOML type ``kind``; a bool is no number, an int is a float."""
+    """Whether ``value`` has TOML type ``kind``; a bool is no number, an int is a float.
+
+    An integer beyond 64 bits is no TOML integer (and may not fit in a float).
+    """
+    if isinstance(value, int) and value not in _INT64:
+        return False
     wanted = (int, float) if kind is float else kind
     return isinstance(value, wanted) and not isinstance(value, bool)
 
 
 def _type_name(value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value not in _INT64:
+        return "an integer beyond 64 bits"
     names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
     names |= {list: "an array", dict: "a table"}
     return names.get(type(value), "a date or time")
@@ -208,7 +221,7 @@ def _show(value: object) -> str:
     if isinstance(value, bool):
         text = "true" if value else "false"
     elif isinstance(value, str):
-        text = json.dumps(value, ensure_ascii=False)
+        text = _printable(json.dumps(value, ensure_ascii=False), toml=True)
     elif isinstance(value, list):
         text = "[" + ", ".join(map(_show, value)) + "]"
     elif isinstance(value, dict):
@@ -221,7 +234,35 @@ def _show(value: object) -> str:
 
 
 def _key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else json.dumps(key, ensure_ascii=False)
+    if _BARE_KEY.fullmatch(key):
+        return key
+    return _printable(json.dumps(key, ensure_ascii=False), toml=True)
+
+
+def _printable(text: str, *, toml: bool = False) -> str:
+    r"""Escape what cannot be shown on one line of a terminal or log.
+
+    Control and other unprintable characters become ``\uXXXX``; with
+    ``toml=False`` (file names) those below U+0100 become ``\xNN``, and so do
+    the bytes a file name had that were no UTF-8 (``os.fsdecode`` turns byte NN
+    into U+DCNN), so the name is shown as the bytes it is.
+    """
+    if text.isprintable():
+        return text
+    out = []
+    for char in text:
+        code = ord(char)
+        if char.isprintable():
+            out.append(char)
+        elif not toml and 0xDC80 <= code <= 0xDCFF:
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif not toml and code < 0x100:
+            out.append(f"\\x{code:02x}")
+        elif code <= 0xFFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    return "".join(out)
 
 
 class _Reader:
@@ -335,11 +376,13 @@ def parse_config(text: str, source: str | Path = "<string>") -> LoadedConfig:
         ConfigError: The text is not TOML, or has unknown keys or bad values; every
             problem found is listed.
     """
-    label = str(source)
+    label = _printable(str(source))
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{label}: invalid TOML: {exc}"]) from exc
+    except ValueError as exc:  # Python's limit on digits in int(), not a TOML error
+        raise ConfigError([f"{label}: invalid TOML: an integer with too many digits"]) from exc
     reader = _Reader(label)
     settings = _build(reader, doc)
     if reader.problems:
@@ -358,16 +401,28 @@ def load_config(path: str | Path) -> LoadedConfig:
         The settings, any warnings, and ``path`` as ``source``.
 
     Raises:
-        ConfigError: The file cannot be read (the OS reason is given), is not UTF-8
-            or not TOML, or has unknown keys or bad values.
+        ConfigError: The file cannot be read (the OS reason is given), is no regular
+            file (a FIFO, a device, a directory), is over :data:`MAX_CONFIG_BYTES`,
+            is not UTF-8 or not TOML, or has unknown keys or bad values.
     """
     path = Path(path)
+    label = _printable(str(path))
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError([f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}"]) from exc
+        data = read_regular(path, MAX_CONFIG_BYTES)
+    except NotRegularFile as exc:
+        raise ConfigError([f"{label}: cannot read: it is {exc.kind}, not a regular file"]) from exc
+    except TooLarge as exc:
+        reason = "it is larger than 1 MiB, too large for a kiwid configuration"
+        raise ConfigError([f"{label}: cannot read: {reason}"]) from exc
     except OSError as exc:
-        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
+        raise ConfigError([f"{label}: cannot read: {exc.strerror or exc}"]) from exc
+    except ValueError as exc:  # no OS call can take the name
+        reason = "contains a NUL byte" if "\0" in str(path) else "is no valid file name"
+        raise ConfigError([f"{label}: cannot read: the path {reason}"]) from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{label}: not UTF-8 text: {exc.reason} at byte {exc.start}"]) from exc
     return parse_config(text, path)
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -284,8 +285,6 @@ def test_load_config_errors(tmp_path: Path) -> None:
     missing = tmp_path / "missing.toml"
     with pytest.raises(ConfigError, match=rf"^{missing}: cannot read: No such file or directory$"):
         load_config(missing)
-    with pytest.raises(ConfigError, match=rf"^{tmp_path}: cannot read: Is a directory$"):
-        load_config(tmp_path)
     latin = tmp_path / "latin.toml"
     latin.write_bytes(b'daemon.state_dir = "/caf\xe9"\n')
     with pytest.raises(ConfigError, match=rf"^{latin}: not UTF-8 text: .* at byte 24$"):
@@ -364,3 +363,63 @@ def test_the_pod_resources_socket_is_an_absolute_path_or_nothing() -> None:
 def test_kubernetes_gpus_must_be_a_list_of_names() -> None:
     assert "kubernetes.gpus" in errors('kubernetes.gpus = "0"')[0]
     assert "kubernetes.gpus" in errors("kubernetes.gpus = [0]")[0]
+
+
+@pytest.mark.timeout(5)
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("fifo", "it is a FIFO (named pipe), not a regular file"),
+        ("/dev/zero", "it is a character device, not a regular file"),
+        ("dir", "it is a directory, not a regular file"),
+        ("big.toml", "it is larger than 1 MiB, too large for a kiwid configuration"),
+        ("loop", "Too many levels of symbolic links"),
+        ("missing", "No such file or directory"),
+        ("big.toml/below", "Not a directory"),
+    ],
+)
+def test_load_config_refuses_what_is_no_config_file(tmp_path: Path, name: str, reason: str) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "big.toml").write_text("#" * (1 << 20) + "\n", encoding="utf-8")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    path = tmp_path / name
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == (f"{path}: cannot read: {reason}",)
+
+
+def test_load_config_reads_a_file_of_1_mib(tmp_path: Path) -> None:
+    path = tmp_path / "kiwi.toml"
+    path.write_text("#" * ((1 << 20) - 1) + "\n", encoding="utf-8")
+    assert load_config(path).settings == Settings()
+
+
+def test_unprintable_paths_are_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("/etc/kiwi\0.toml")
+    assert info.value.problems == (
+        r"/etc/kiwi\x00.toml: cannot read: the path contains a NUL byte",
+    )
+    odd = tmp_path / "a\nb\udcff.toml"  # a newline, and the byte 0xff that is no UTF-8
+    odd.write_text("scheduler.tq = 0\n", encoding="utf-8")
+    assert check_config_main([str(odd)]) == 1
+    out, err = capsys.readouterr()
+    shown = str(tmp_path / r"a\x0ab\xff.toml")
+    assert (out, err) == ("", f"{shown}: scheduler.tq = 0: must be a number of seconds > 0\n")
+    assert check_config_main([str(tmp_path / "\ud800")]) == 1  # not even surrogateescape
+    err = capsys.readouterr().err
+    assert err == f"{tmp_path}/\\ud800: cannot read: the path is no valid file name\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (f"scheduler.tq = 1{'0' * 400}", "scheduler.tq = 1000"),
+        (f"memory.reserve_mib = {2**63}", "memory.reserve_mib = 9223372036854775808"),
+        (f"scheduler.tq = 1{'0' * 5000}", "invalid TOML"),
+    ],
+)
+def test_huge_integers_are_refused(text: str, problem: str) -> None:
+    [found] = errors(text)
+    assert found.startswith(f"{SRC}: {problem}")

@@ -11,6 +11,7 @@ import math
 import re
 import sys
 import tomllib
+import unicodedata
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,10 @@ class LoadedConfig:
     """The file read, or ``None`` for text that came from no file."""
 
 
+def _no_objection(_: Any) -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class _Rule:
     """How one TOML value is checked, and which dataclass field it fills."""
@@ -87,6 +92,9 @@ class _Rule:
     kind: type[int] | type[float] | type[str] | type[list[Any]]  # float accepts ints too
     expects: str  # completes "must be ..."
     accepts: Callable[[Any], bool]
+    objects: Callable[[Any], str | None] = _no_objection
+    """Asked first, for a value of the right kind: the whole reason it is refused
+    (``"must not ..."``), or ``None`` to go on to ``accepts``."""
 
 
 def _above_zero(attr: str, unit: str) -> _Rule:
@@ -108,9 +116,39 @@ def _choice(attr: str, options: Collection[str]) -> _Rule:
     return _Rule(attr, str, "one of " + ", ".join(map(json.dumps, options)), options.__contains__)
 
 
-def _abs_path(attr: str, max_bytes: int = 4095) -> _Rule:
+def _abs_path(attr: str, max_bytes: int = 4095, empty: str = "") -> _Rule:
+    """An absolute path of at most ``max_bytes`` in UTF-8, without control characters.
+
+    With ``empty`` (what ``""`` means, e.g. ``"no CDI spec"``) the empty string is
+    accepted too.
+    """
     expects = f"an absolute path of at most {max_bytes} bytes"
-    return _Rule(attr, str, expects, lambda v: v[:1] == "/" and len(v.encode()) <= max_bytes)
+    expects += f', or "" ({empty})' if empty else ""
+
+    def accepts(value: str) -> bool:
+        if not value:
+            return bool(empty)
+        return value[:1] == "/" and len(value.encode()) <= max_bytes
+
+    return _Rule(attr, str, expects, accepts, _unprintable_path)
+
+
+def _unprintable_path(value: str) -> str | None:
+    """Why ``value`` cannot be a path kiwid creates, shows or passes on, if it cannot.
+
+    A NUL ends the path early in every system call (Python refuses it outright),
+    and other control characters make log lines and ``kiwictl`` output lie.
+    Unpaired surrogates cannot even be encoded; only text from no file has them.
+    """
+    bad = {c: unicodedata.category(c) for c in value if unicodedata.category(c) in ("Cc", "Cs")}
+    if not bad:
+        return None
+    what = " or ".join(
+        name
+        for category, name in (("Cc", "control characters"), ("Cs", "unpaired surrogates"))
+        if category in bad.values()
+    )
+    return f"must not contain {what} (found {', '.join(f'U+{ord(c):04X}' for c in bad)})"
 
 
 _OVERRIDE_RULES = {
@@ -164,12 +202,7 @@ _KUBERNETES_RULES = {
     ),
     "replicas": _within("replicas", int, "slots", 1, 64),
     "admission": _choice("admission", ADMISSIONS),
-    "cdi_dir": _Rule(
-        "cdi_dir",
-        str,
-        'an absolute path, or "" (no CDI spec)',
-        lambda v: v == "" or v.startswith("/"),
-    ),
+    "cdi_dir": _abs_path("cdi_dir", empty="no CDI spec"),
     "device_plugin_dir": _abs_path("device_plugin_dir"),
     "gpus": _Rule(
         "gpus",
@@ -177,11 +210,8 @@ _KUBERNETES_RULES = {
         'a list of GPU indices or UUIDs, e.g. ["0", "GPU-..."] ([] for all)',
         lambda v: all(isinstance(g, str) and g for g in v),
     ),
-    "pod_resources_socket": _Rule(
-        "pod_resources_socket",
-        str,
-        'an absolute path, or "" (no PodResources lookups)',
-        lambda v: v == "" or v.startswith("/"),
+    "pod_resources_socket": _abs_path(
+        "pod_resources_socket", _SOCKET_PATH_MAX_BYTES, empty="no PodResources lookups"
     ),
 }
 _SECTIONS = ("scheduler", "gpu", "control", "daemon", "memory", "metrics", "kubernetes")
@@ -308,7 +338,10 @@ class _Reader:
                     self.problem(f"unknown key {dotted} (known keys: {known})")
                 continue
             kind_ok = _has_kind(value, rule.kind)
-            if kind_ok and rule.accepts(value):
+            objection = rule.objects(value) if kind_ok else None
+            if objection is not None:
+                self.problem(f"{dotted} = {_show(value)}: {objection}")
+            elif kind_ok and rule.accepts(value):
                 stored = value
                 if rule.kind is float:
                     stored = float(value)

@@ -204,6 +204,10 @@ SOCKET = "must be an absolute path of at most 107 bytes"
         ('control.admin_group = ""', "must be a group name"),
         ('daemon.state_dir = "run/kiwi"', "must be an absolute path of at most 4095 bytes"),
         ("daemon.shutdown_timeout = -5", SECS),
+        (
+            'kubernetes.cdi_dir = "etc/cdi"',
+            'must be an absolute path of at most 4095 bytes, or "" (no CDI spec)',
+        ),
         ('daemon.log_level = "INFO"', 'must be one of "debug", "info", "warning", "error"'),
         ("memory.reserve_mib = -1", MIB),
         ("memory.reserve_mib = 1979-05-27", f"{MIB}, not a date or time"),
@@ -358,6 +362,10 @@ def test_metrics_listen_is_host_and_port(listen: str, ok: bool) -> None:
 def test_the_pod_resources_socket_is_an_absolute_path_or_nothing() -> None:
     problem = errors('kubernetes.pod_resources_socket = "kubelet.sock"')[0]
     assert 'kubernetes.pod_resources_socket = "kubelet.sock": must be an absolute path' in problem
+    [problem] = errors(f'kubernetes.pod_resources_socket = "/{"x" * 107}"')
+    assert problem.endswith(
+        ': must be an absolute path of at most 107 bytes, or "" (no PodResources lookups)'
+    )
 
 
 def test_kubernetes_gpus_must_be_a_list_of_names() -> None:
@@ -423,3 +431,37 @@ def test_unprintable_paths_are_escaped(tmp_path: Path, capsys: pytest.CaptureFix
 def test_huge_integers_are_refused(text: str, problem: str) -> None:
     [found] = errors(text)
     assert found.startswith(f"{SRC}: {problem}")
+
+
+PATH_KEYS = [
+    "control.socket",
+    "daemon.state_dir",
+    "kubernetes.cdi_dir",
+    "kubernetes.device_plugin_dir",
+    "kubernetes.pod_resources_socket",
+]
+
+
+@pytest.mark.parametrize("key", PATH_KEYS)
+@pytest.mark.parametrize(
+    ("escaped", "found"),
+    [
+        (r"\u0000", "U+0000"),
+        (r"\n", "U+000A"),
+        (r"\u007f", "U+007F"),
+        (r"\u0085", "U+0085"),  # NEL, a C1 control
+        (r"\u001b[2J\u0000\u001b", "U+001B, U+0000"),
+    ],
+)
+def test_paths_refuse_control_characters(key: str, escaped: str, found: str) -> None:
+    assert errors(f'{key} = "/run/a{escaped}b"') == [
+        f'{SRC}: {key} = "/run/a{escaped}b": must not contain control characters (found {found})'
+    ]
+
+
+def test_paths_refuse_unpaired_surrogates() -> None:
+    # Only text from no file can hold one (a file is decoded as UTF-8 first).
+    assert errors('daemon.state_dir = "/run/\ud800"') == [
+        rf'{SRC}: daemon.state_dir = "/run/\ud800": must not contain unpaired surrogates '
+        "(found U+D800)"
+    ]

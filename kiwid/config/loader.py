@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 import sys
 import tomllib
 import unicodedata
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiwid.config.schema import (
@@ -35,7 +37,7 @@ from kiwid.config.schema import (
     SchedulerSettings,
     Settings,
 )
-from kiwid.linux.files import NotRegularFile, TooLarge, read_regular
+from kiwid.linux.files import NotRegularFile, TooLarge, describe_mode, read_regular
 
 DEFAULT_PATH = Path("/etc/kiwi.toml")
 """Where ``kiwid check-config`` looks when given no path."""
@@ -302,6 +304,7 @@ class _Reader:
         self.label = label
         self.problems: list[str] = []
         self.warnings: list[str] = []
+        self.refused: set[str] = set()  # dotted keys whose value was refused
 
     def problem(self, text: str) -> None:
         self.problems.append(f"{self.label}: {text}")
@@ -340,6 +343,7 @@ class _Reader:
             kind_ok = _has_kind(value, rule.kind)
             objection = rule.objects(value) if kind_ok else None
             if objection is not None:
+                self.refused.add(dotted)
                 self.problem(f"{dotted} = {_show(value)}: {objection}")
             elif kind_ok and rule.accepts(value):
                 stored = value
@@ -356,6 +360,7 @@ class _Reader:
                     )
             else:
                 got = "" if kind_ok else f", not {_type_name(value)}"
+                self.refused.add(dotted)
                 self.problem(f"{dotted} = {_show(value)}: must be {rule.expects}{got}")
         return values
 
@@ -383,7 +388,7 @@ def _build(reader: _Reader, doc: Mapping[str, Any]) -> Settings:
     gpu = reader.table(doc, "gpu")
     gpu_values = reader.fields(gpu, "gpu", _GPU_RULES, ("sim",))
     gpu_values |= reader.fields(reader.table(gpu, "sim", "gpu.sim"), "gpu.sim", _SIM_RULES)
-    return Settings(
+    settings = Settings(
         scheduler,
         GpuSettings(**gpu_values),
         ControlSettings(**reader.section(doc, "control", _CONTROL_RULES)),
@@ -392,6 +397,63 @@ def _build(reader: _Reader, doc: Mapping[str, Any]) -> Settings:
         MetricsSettings(**reader.section(doc, "metrics", _METRICS_RULES)),
         KubernetesSettings(**reader.section(doc, "kubernetes", _KUBERNETES_RULES)),
     )
+    _check_state_dir(reader, settings)
+    return settings
+
+
+def _check_state_dir(reader: _Reader, settings: Settings) -> None:
+    """Check that the state directory can be one, and that the socket lies outside it.
+
+    Values already refused are not looked at again; defaults are (a default
+    ``state_dir`` may still exist as a file on this host).
+    """
+    state_dir, socket = settings.daemon.state_dir, settings.control.socket
+    if "daemon.state_dir" in reader.refused:
+        return
+    shown = f"daemon.state_dir = {_show(state_dir)}"
+    why = _not_a_directory(state_dir)
+    if why is not None:
+        reader.problem(f"{shown}: {why}")
+    if "control.socket" in reader.refused:
+        return
+    # Compared as the kernel will see them: "..", "//" and symbolic links resolved.
+    state = PurePosixPath(os.path.realpath(state_dir))
+    place = PurePosixPath(os.path.realpath(socket))
+    if place == state:
+        why = f"must not be {shown} itself"
+    elif place.is_relative_to(state):
+        why = (
+            f"must not be inside {shown}: that directory is mode 0700, "
+            "so no one but root could reach the socket"
+        )
+    elif state.is_relative_to(place):
+        why = f"must not be a directory above {shown}"
+    else:
+        return
+    reader.problem(f"control.socket = {_show(socket)}: {why}")
+
+
+def _not_a_directory(path: str) -> str | None:
+    """Why kiwid could not make or use ``path`` as a directory, or ``None``.
+
+    An absent path is fine (kiwid creates it), and so is one this process may
+    not look into: check-config may run unprivileged, kiwid runs as root.
+    """
+    try:
+        mode = Path(path).stat().st_mode
+    except FileNotFoundError:
+        if Path(path).is_symlink():
+            return "is a symbolic link to nothing, not a directory"
+        return None
+    except PermissionError:
+        return None
+    except NotADirectoryError:
+        return "is no usable directory: a path above it is no directory"
+    except OSError as exc:
+        return f"is no usable directory: {exc.strerror or exc}"
+    if stat.S_ISDIR(mode):
+        return None
+    return f"exists and is {describe_mode(mode)}, not a directory"
 
 
 def parse_config(text: str, source: str | Path = "<string>") -> LoadedConfig:

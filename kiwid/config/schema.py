@@ -198,8 +198,11 @@ class ControlSettings:
     """The ``kiwictl`` control socket (``[control]``)."""
 
     socket: str = "/run/kiwi/kiwid.sock"
-    """Absolute path of the Unix control socket. Default under ``/run/kiwi``, the
-    runtime directory systemd creates. At most 107 bytes (the ``sun_path`` limit)."""
+    """Absolute path of the Unix control socket. Default ``/run/kiwi/kiwid.sock``,
+    in the runtime directory systemd creates (mode 0755, so every user reaches the
+    socket; kiwid checks who may change what). At most 107 bytes (the ``sun_path``
+    limit), no control characters, and outside :attr:`DaemonSettings.state_dir`:
+    that directory is mode 0700, so no one but root could reach a socket in it."""
 
     admin_group: str = "kiwi"
     """Group whose members may send commands (drain, pause) on the socket; others may
@@ -210,9 +213,13 @@ class ControlSettings:
 class DaemonSettings:
     """Daemon lifecycle and logging (``[daemon]``)."""
 
-    state_dir: str = "/run/kiwi"
+    state_dir: str = "/run/kiwi/state"
     """Absolute path of the directory for runtime state such as which cgroups are
-    frozen. Default ``/run/kiwi``: a tmpfs cleared on boot, like the state itself."""
+    gated: mode 0700, its files 0600, because they hold other users' container and
+    process names. Default ``/run/kiwi/state``: on a tmpfs cleared on boot, like the
+    state itself, and beside (not above) the control socket. It must be a directory
+    or not exist yet (kiwid creates it), hold no control characters, and neither be
+    nor contain :attr:`ControlSettings.socket`."""
 
     shutdown_timeout: float = 10.0
     """Seconds a graceful shutdown waits for thawed tenants to settle before forcing

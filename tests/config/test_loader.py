@@ -78,7 +78,7 @@ def test_defaults() -> None:
     assert s.gpu.sim_memory_gib == 80.0
     assert (s.control.socket, s.control.admin_group) == ("/run/kiwi/kiwid.sock", "kiwi")
     assert (s.daemon.state_dir, s.daemon.shutdown_timeout, s.daemon.log_level) == (
-        "/run/kiwi",
+        "/run/kiwi/state",
         10.0,
         "info",
     )
@@ -464,4 +464,104 @@ def test_paths_refuse_unpaired_surrogates() -> None:
     assert errors('daemon.state_dir = "/run/\ud800"') == [
         rf'{SRC}: daemon.state_dir = "/run/\ud800": must not contain unpaired surrogates '
         "(found U+D800)"
+    ]
+
+
+@pytest.fixture
+def odd_files(tmp_path: Path) -> Path:
+    """A directory holding one of every kind of file a path may name by mistake."""
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").touch()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "device").symlink_to("/dev/null")
+    (tmp_path / "link-to-dir").symlink_to(tmp_path / "dir")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", ["dir", "link-to-dir", "absent", "dir/absent/absent"])
+def test_the_state_dir_may_be_a_directory_or_absent(odd_files: Path, name: str) -> None:
+    state_dir = str(odd_files / name)
+    assert parse_config(f"daemon.state_dir = {state_dir!r}").settings.daemon.state_dir == state_dir
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("file", "exists and is a regular file, not a directory"),
+        ("fifo", "exists and is a FIFO (named pipe), not a directory"),
+        ("device", "exists and is a character device, not a directory"),
+        ("dangling", "is a symbolic link to nothing, not a directory"),
+        ("loop", "is no usable directory: Too many levels of symbolic links"),
+        ("file/state", "is no usable directory: a path above it is no directory"),
+    ],
+)
+def test_the_state_dir_must_not_be_anything_else(odd_files: Path, name: str, reason: str) -> None:
+    state_dir = odd_files / name
+    [problem] = errors(f'daemon.state_dir = "{state_dir}"')
+    assert problem.startswith(f'{SRC}: daemon.state_dir = "{str(state_dir)[:40]}')  # shortened
+    assert problem.endswith(f": {reason}")
+
+
+def test_a_state_dir_out_of_sight_is_left_to_kiwid(monkeypatch: pytest.MonkeyPatch) -> None:
+    # check-config may run unprivileged; kiwid runs as root and sees for itself.
+    def denied(*_: object, **__: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "stat", denied)
+    assert parse_config('daemon.state_dir = "/root/x"').settings.daemon.state_dir == "/root/x"
+
+
+INSIDE = (
+    'must not be inside daemon.state_dir = "{state}": that directory is mode 0700, '
+    "so no one but root could reach the socket"
+)
+
+
+@pytest.mark.parametrize(
+    ("state_dir", "socket", "problem"),
+    [
+        (None, "/run/kiwi/state/kiwid.sock", INSIDE),
+        (None, "/run/kiwi/state/../state/x/kiwid.sock", INSIDE),
+        ("/run/kiwi", None, INSIDE),  # the old default state_dir with the default socket
+        ("/", "/kiwid.sock", INSIDE),
+        ("/run/kiwi/s", "/run/kiwi/s", 'must not be daemon.state_dir = "{state}" itself'),
+        (
+            "/run/kiwi/kiwid.sock/state",
+            None,
+            'must not be a directory above daemon.state_dir = "{state}"',
+        ),
+    ],
+)
+def test_the_socket_must_lie_outside_the_state_dir(
+    state_dir: str | None, socket: str | None, problem: str
+) -> None:
+    text = "" if state_dir is None else f"daemon.state_dir = {state_dir!r}\n"
+    text += "" if socket is None else f"control.socket = {socket!r}\n"
+    shown_socket = socket or "/run/kiwi/kiwid.sock"
+    reason = problem.format(state=state_dir or "/run/kiwi/state")
+    assert errors(text) == [f'{SRC}: control.socket = "{shown_socket}": {reason}']
+
+
+@pytest.mark.parametrize(
+    ("state_dir", "socket"),
+    [
+        ("/run/kiwi/state", "/run/kiwi/kiwid.sock"),
+        ("/run/kiwi/state", "/run/kiwi/state2.sock"),  # a shared prefix is no parent
+        ("/var/lib/kiwi", "/run/kiwi/kiwid.sock"),
+    ],
+)
+def test_a_socket_beside_the_state_dir_is_fine(state_dir: str, socket: str) -> None:
+    settings = parse_config(f"daemon.state_dir = {state_dir!r}\ncontrol.socket = {socket!r}")
+    assert (settings.settings.daemon.state_dir, settings.settings.control.socket) == (
+        state_dir,
+        socket,
+    )
+
+
+def test_a_bad_path_is_not_compared_again() -> None:
+    # The socket is reported once, as relative; the default state_dir is not involved.
+    assert errors('control.socket = "run/kiwi/state/kiwid.sock"') == [
+        f'{SRC}: control.socket = "run/kiwi/state/kiwid.sock": {SOCKET}'
     ]

@@ -15,7 +15,7 @@ import sys
 import tomllib
 import unicodedata
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -35,6 +35,7 @@ from kiwid.config.schema import (
     MemorySettings,
     MetricsSettings,
     SchedulerSettings,
+    ServiceLimits,
     Settings,
 )
 from kiwid.linux.files import NotRegularFile, TooLarge, describe_mode, read_regular
@@ -53,6 +54,7 @@ _SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes including the final NUL
 _GPU_KEY = re.compile(r"0|[1-9][0-9]*|(?:GPU|MIG)-\S+")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _INT64 = range(-(2**63), 2**63)  # TOML integers; tomllib accepts longer ones
+_USEC = re.compile(r"[0-9]{1,18}")  # WATCHDOG_USEC as systemd writes it
 
 
 class ConfigError(Exception):
@@ -382,17 +384,73 @@ def _scheduler(reader: _Reader, doc: Mapping[str, Any]) -> SchedulerSettings:
     return SchedulerSettings(gpu=GpuOverrides(overrides), **values)
 
 
-def _build(reader: _Reader, doc: Mapping[str, Any]) -> Settings:
+def _service_rules(
+    service: ServiceLimits,
+) -> tuple[Mapping[str, _Rule], Mapping[str, _Rule]]:
+    """The ``[gpu]`` and ``[daemon]`` rules, with the bounds the service sets."""
+    gate = service.max_gate_timeout_s
+    gate_why = (
+        f"half the {service.watchdog_s:g} s service watchdog ({service.watchdog_source}): "
+        f"kiwid pings the watchdog every {gate:g} s from the loop that waits for gates, so a "
+        "longer gate could let the watchdog expire, and systemd would kill kiwid"
+    )
+    stop = service.max_shutdown_timeout_s
+    stop_why = (
+        f"the shipped unit gives a stop {service.stop_timeout_s:g} s "
+        f"(TimeoutStopSec={service.stop_timeout_s:g}s) and then runs `kiwid recover` "
+        "(ExecStopPost=) to thaw what a forced stop left gated, which needs the last "
+        f"{service.recover_s:g} s"
+    )
+    gpu = dict(_GPU_RULES)
+    gpu["gate_timeout"] = replace(gpu["gate_timeout"], objects=_at_most(gate, f", {gate_why}"))
+    daemon = dict(_DAEMON_RULES)
+    daemon["shutdown_timeout"] = replace(
+        daemon["shutdown_timeout"], objects=_at_most(stop, f": {stop_why}")
+    )
+    return gpu, daemon
+
+
+def _at_most(limit: float, why: str) -> Callable[[Any], str | None]:
+    """An objection to numbers above ``limit`` seconds; ``why`` ends the message.
+
+    Numbers below the rule's own range, and NaN, are left to its ``accepts``.
+    """
+    return lambda value: f"must be at most {limit:g} s{why}" if value > limit else None
+
+
+def service_limits(environ: Mapping[str, str], pid: int | None = None) -> ServiceLimits:
+    """The limits of the service that ``environ`` belongs to.
+
+    Args:
+        environ: The process environment, usually ``os.environ``.
+        pid: This process's id (default ``os.getpid()``), to tell kiwid's own
+            watchdog from one inherited from a parent.
+
+    Returns:
+        The shipped unit's limits, with the watchdog interval systemd gave in
+        ``WATCHDOG_USEC`` when it is a positive number of microseconds meant for this
+        process (``WATCHDOG_PID`` unset or ``pid``); see :class:`ServiceLimits`.
+    """
+    usec = environ.get("WATCHDOG_USEC", "")
+    owner = environ.get("WATCHDOG_PID")
+    mine = owner is None or owner == str(os.getpid() if pid is None else pid)
+    if not (_USEC.fullmatch(usec) and int(usec) > 0 and mine):
+        return ServiceLimits()
+    return ServiceLimits(watchdog_s=int(usec) / 1e6, watchdog_source=f"WATCHDOG_USEC={usec}")
+
+
+def _build(reader: _Reader, doc: Mapping[str, Any], service: ServiceLimits) -> Settings:
     reader.fields(doc, "", {}, _SECTIONS)  # only reports unknown top-level keys
+    gpu_rules, daemon_rules = _service_rules(service)
     scheduler = _scheduler(reader, doc)
     gpu = reader.table(doc, "gpu")
-    gpu_values = reader.fields(gpu, "gpu", _GPU_RULES, ("sim",))
+    gpu_values = reader.fields(gpu, "gpu", gpu_rules, ("sim",))
     gpu_values |= reader.fields(reader.table(gpu, "sim", "gpu.sim"), "gpu.sim", _SIM_RULES)
     settings = Settings(
         scheduler,
         GpuSettings(**gpu_values),
         ControlSettings(**reader.section(doc, "control", _CONTROL_RULES)),
-        DaemonSettings(**reader.section(doc, "daemon", _DAEMON_RULES)),
+        DaemonSettings(**reader.section(doc, "daemon", daemon_rules)),
         MemorySettings(**reader.section(doc, "memory", _MEMORY_RULES)),
         MetricsSettings(**reader.section(doc, "metrics", _METRICS_RULES)),
         KubernetesSettings(**reader.section(doc, "kubernetes", _KUBERNETES_RULES)),
@@ -456,13 +514,21 @@ def _not_a_directory(path: str) -> str | None:
     return f"exists and is {describe_mode(mode)}, not a directory"
 
 
-def parse_config(text: str, source: str | Path = "<string>") -> LoadedConfig:
+def parse_config(
+    text: str, source: str | Path = "<string>", *, service: ServiceLimits | None = None
+) -> LoadedConfig:
     """Parse and validate configuration text.
+
+    Besides the text, this looks at the host: whether ``daemon.state_dir`` exists as
+    something other than a directory, and where symbolic links in it lead.
 
     Args:
         text: The TOML document.
         source: The file it came from, used in messages. A name in angle brackets,
             such as the default ``"<string>"``, marks text from no file.
+        service: What the systemd service allows; default
+            ``service_limits(os.environ)``: the shipped unit's, with the watchdog
+            systemd gave this process.
 
     Returns:
         The settings, with missing keys at their defaults, and any warnings.
@@ -479,18 +545,19 @@ def parse_config(text: str, source: str | Path = "<string>") -> LoadedConfig:
     except ValueError as exc:  # Python's limit on digits in int(), not a TOML error
         raise ConfigError([f"{label}: invalid TOML: an integer with too many digits"]) from exc
     reader = _Reader(label)
-    settings = _build(reader, doc)
+    settings = _build(reader, doc, service_limits(os.environ) if service is None else service)
     if reader.problems:
         raise ConfigError(reader.problems)
     path = None if label.startswith("<") and label.endswith(">") else Path(source)
     return LoadedConfig(settings, tuple(reader.warnings), path)
 
 
-def load_config(path: str | Path) -> LoadedConfig:
+def load_config(path: str | Path, *, service: ServiceLimits | None = None) -> LoadedConfig:
     """Read, parse and validate a configuration file.
 
     Args:
         path: The TOML file, UTF-8 encoded.
+        service: What the systemd service allows, as for :func:`parse_config`.
 
     Returns:
         The settings, any warnings, and ``path`` as ``source``.
@@ -518,7 +585,7 @@ def load_config(path: str | Path) -> LoadedConfig:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{label}: not UTF-8 text: {exc.reason} at byte {exc.start}"]) from exc
-    return parse_config(text, path)
+    return parse_config(text, path, service=service)
 
 
 def check_config_main(argv: Sequence[str] | None = None) -> int:

@@ -14,10 +14,12 @@ from kiwid.config import (
     ConfigError,
     GpuOverride,
     SchedulerSettings,
+    ServiceLimits,
     Settings,
     check_config_main,
     load_config,
     parse_config,
+    service_limits,
 )
 
 SHIPPED = Path(__file__).resolve().parents[2] / "etc" / "kiwi.toml"
@@ -62,9 +64,9 @@ KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
 KEYS_GROUPS = [f.name for f in dataclasses.fields(Settings)]
 
 
-def errors(text: str) -> list[str]:
+def errors(text: str, service: ServiceLimits | None = None) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        parse_config(text, SRC)
+        parse_config(text, SRC, service=service)
     assert str(info.value) == "\n".join(info.value.problems)
     return list(info.value.problems)
 
@@ -565,3 +567,106 @@ def test_a_bad_path_is_not_compared_again() -> None:
     assert errors('control.socket = "run/kiwi/state/kiwid.sock"') == [
         f'{SRC}: control.socket = "run/kiwi/state/kiwid.sock": {SOCKET}'
     ]
+
+
+SHIPPED_WATCHDOG = (
+    "must be at most 15 s, half the 30 s service watchdog (WatchdogSec=30s in the shipped "
+    "unit): kiwid pings the watchdog every 15 s from the loop that waits for gates, so a "
+    "longer gate could let the watchdog expire, and systemd would kill kiwid"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("gpu.gate_timeout = 15.5", SHIPPED_WATCHDOG),
+        ("gpu.gate_timeout = 60", SHIPPED_WATCHDOG),
+        ("gpu.gate_timeout = inf", SHIPPED_WATCHDOG),
+        ("gpu.gate_timeout = 0.05", "must be a number of seconds from 0.1 to 60"),
+        ("gpu.gate_timeout = nan", "must be a number of seconds from 0.1 to 60"),
+    ],
+)
+def test_the_gate_timeout_fits_in_the_shipped_watchdog(text: str, reason: str) -> None:
+    assert errors(text) == [f"{SRC}: {text}: {reason}"]
+    assert parse_config("gpu.gate_timeout = 15").settings.gpu.gate_timeout == 15.0
+
+
+def test_the_gate_timeout_fits_in_the_watchdog_systemd_gave(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "kiwi.toml"
+    path.write_text("gpu.gate_timeout = 6\n", encoding="utf-8")
+    monkeypatch.setenv("WATCHDOG_USEC", "10000000")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == (
+        f"{path}: gpu.gate_timeout = 6: must be at most 5 s, half the 10 s service watchdog "
+        "(WATCHDOG_USEC=10000000): kiwid pings the watchdog every 5 s from the loop that "
+        "waits for gates, so a longer gate could let the watchdog expire, and systemd would "
+        "kill kiwid",
+    )
+    assert check_config_main([str(path)]) == 1
+    assert "half the 10 s service watchdog" in capsys.readouterr().err
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert "half the 10 s" in errors("gpu.gate_timeout = 6")[0]
+    monkeypatch.setenv("WATCHDOG_USEC", "300000000")  # 150 s: the range's 60 s still holds
+    assert parse_config("gpu.gate_timeout = 60").settings.gpu.gate_timeout == 60.0
+    assert errors("gpu.gate_timeout = 61") == [
+        f"{SRC}: gpu.gate_timeout = 61: must be a number of seconds from 0.1 to 60"
+    ]
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"WATCHDOG_USEC": "10000000", "WATCHDOG_PID": "1"},  # another process's watchdog
+        {"WATCHDOG_USEC": "0"},
+        {"WATCHDOG_USEC": ""},
+        {"WATCHDOG_USEC": "ten"},
+        {"WATCHDOG_USEC": "-5"},
+        {"WATCHDOG_USEC": "\u00b2"},  # a digit to str.isdigit, not to int()
+        {"WATCHDOG_USEC": "9" * 5000},
+    ],
+)
+def test_an_unusable_watchdog_variable_means_the_shipped_unit(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str]
+) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert errors("gpu.gate_timeout = 15.5") == [
+        f"{SRC}: gpu.gate_timeout = 15.5: {SHIPPED_WATCHDOG}"
+    ]
+
+
+SHUTDOWN = (
+    "must be at most 75 s: the shipped unit gives a stop 90 s (TimeoutStopSec=90s) and "
+    "then runs `kiwid recover` (ExecStopPost=) to thaw what a forced stop left gated, "
+    "which needs the last 15 s"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("daemon.shutdown_timeout = 75.5", SHUTDOWN),
+        ("daemon.shutdown_timeout = 90", SHUTDOWN),
+        ("daemon.shutdown_timeout = inf", SHUTDOWN),
+        ("daemon.shutdown_timeout = 0", SECS),
+    ],
+)
+def test_the_shutdown_timeout_leaves_time_for_recover(text: str, reason: str) -> None:
+    assert errors(text) == [f"{SRC}: {text}: {reason}"]
+    assert parse_config("daemon.shutdown_timeout = 75").settings.daemon.shutdown_timeout == 75.0
+
+
+def test_service_limits_can_be_given() -> None:
+    environ = {"WATCHDOG_USEC": "4000000", "WATCHDOG_PID": "7"}
+    assert service_limits(environ, pid=7) == ServiceLimits(4.0, "WATCHDOG_USEC=4000000")
+    assert service_limits(environ, pid=8) == ServiceLimits()
+    roomy = ServiceLimits(watchdog_s=60.0, stop_timeout_s=300.0)
+    loaded = parse_config("gpu.gate_timeout = 30\ndaemon.shutdown_timeout = 285", service=roomy)
+    assert (loaded.settings.gpu.gate_timeout, loaded.settings.daemon.shutdown_timeout) == (30, 285)
+    assert (
+        "must be at most 2 s, half the 4 s service watchdog"
+        in errors("gpu.gate_timeout = 3", service=ServiceLimits(4.0, "WATCHDOG_USEC=4000000"))[0]
+    )

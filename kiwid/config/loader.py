@@ -372,7 +372,7 @@ def _scheduler(reader: _Reader, doc: Mapping[str, Any]) -> SchedulerSettings:
     values = reader.fields(table, "scheduler", _SCHEDULER_RULES, ("gpu",))
     overrides: dict[str, GpuOverride] = {}
     for key in reader.table(table, "gpu", "scheduler.gpu"):
-        dotted = f"scheduler.gpu.{json.dumps(key, ensure_ascii=False)}"
+        dotted = f"scheduler.gpu.{_printable(json.dumps(key, ensure_ascii=False), toml=True)}"
         if not _GPU_KEY.fullmatch(key):
             reader.problem(
                 f'{dotted}: a GPU key must be a decimal index such as "0" '
@@ -606,7 +606,8 @@ def check_config_main(argv: Sequence[str] | None = None) -> int:
         print(f"{usage}\n\nValidate a kiwid configuration file (default {DEFAULT_PATH}).")
         return 0
     if len(args) > 1 or any(a.startswith("-") for a in args):
-        print(f"{usage}\nerror: unexpected arguments: {' '.join(args)}", file=sys.stderr)
+        shown = _printable(" ".join(args))
+        print(f"{usage}\nerror: unexpected arguments: {shown}", file=sys.stderr)
         return 2
     path = Path(args[0]) if args else DEFAULT_PATH
     try:
@@ -614,7 +615,8 @@ def check_config_main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
+    label = _printable(str(path))
     for warning in loaded.warnings:
-        print(f"warning: {path}: {warning}", file=sys.stderr)
-    print(f"{path}: OK")
+        print(f"warning: {label}: {warning}", file=sys.stderr)
+    print(f"{label}: OK")
     return 0

@@ -670,3 +670,26 @@ def test_service_limits_can_be_given() -> None:
         "must be at most 2 s, half the 4 s service watchdog"
         in errors("gpu.gate_timeout = 3", service=ServiceLimits(4.0, "WATCHDOG_USEC=4000000"))[0]
     )
+
+
+KNOWN_TABLES = "scheduler, gpu, control, daemon, memory, metrics, kubernetes"
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[tenants.alice]\nweight = 2\n[tenants."bob smith"]\nweight = 1\n', "tenants"),
+        ('[[tenant]]\nname = "alice"\n', "tenant"),
+        ("tenants = {}\n", "tenants"),
+    ],
+)
+def test_tables_not_yet_known_are_unknown_keys(text: str, key: str) -> None:
+    # Per-tenant rules are another issue; until then such a table is an error, not ignored.
+    assert errors(text) == [f"{SRC}: unknown key {key} (known keys: {KNOWN_TABLES})"]
+
+
+def test_unknown_tables_inside_known_ones_too() -> None:
+    assert errors("[scheduler.tenants.alice]\ntq = 1\n") == [
+        f"{SRC}: unknown key scheduler.tenants "
+        "(known keys: tq, idle_release, mode, handover_allowance, gpu)"
+    ]

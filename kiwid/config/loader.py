@@ -7,25 +7,31 @@ the file, the dotted key and the bad value, so an operator fixes a file in one p
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import stat
 import sys
 import tomllib
-import unicodedata
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from kiwid.config.rules import (
+    CONTROL_RULES,
+    KUBERNETES_RULES,
+    MEMORY_RULES,
+    METRICS_RULES,
+    OVERRIDE_RULES,
+    SCHEDULER_RULES,
+    SECTIONS,
+    SIM_RULES,
+    Rule,
+    has_kind,
+    service_rules,
+    type_name,
+)
 from kiwid.config.schema import (
-    ADMISSIONS,
-    BACKENDS,
-    GATES,
-    LOG_LEVELS,
-    MODES,
-    SWAPS,
     ControlSettings,
     DaemonSettings,
     GpuOverride,
@@ -50,10 +56,8 @@ MAX_CONFIG_BYTES = 1 << 20
 """The largest configuration file read, in bytes (1 MiB). The shipped file, every
 key commented, is about 6 KiB; anything this large is the wrong file."""
 
-_SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes including the final NUL
 _GPU_KEY = re.compile(r"0|[1-9][0-9]*|(?:GPU|MIG)-\S+")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_INT64 = range(-(2**63), 2**63)  # TOML integers; tomllib accepts longer ones
 _USEC = re.compile(r"[0-9]{1,18}")  # WATCHDOG_USEC as systemd writes it
 
 
@@ -82,172 +86,6 @@ class LoadedConfig:
 
     source: Path | None
     """The file read, or ``None`` for text that came from no file."""
-
-
-def _no_objection(_: Any) -> str | None:
-    return None
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """How one TOML value is checked, and which dataclass field it fills."""
-
-    attr: str
-    kind: type[int] | type[float] | type[str] | type[list[Any]]  # float accepts ints too
-    expects: str  # completes "must be ..."
-    accepts: Callable[[Any], bool]
-    objects: Callable[[Any], str | None] = _no_objection
-    """Asked first, for a value of the right kind: the whole reason it is refused
-    (``"must not ..."``), or ``None`` to go on to ``accepts``."""
-
-
-def _above_zero(attr: str, unit: str) -> _Rule:
-    """A finite number of ``unit`` > 0; integers are accepted."""
-    return _Rule(attr, float, f"a number of {unit} > 0", lambda v: 0 < v < math.inf)
-
-
-def _within(
-    attr: str, kind: type[int] | type[float], unit: str, low: float, high: float | None = None
-) -> _Rule:
-    """A number of ``kind`` from ``low`` to ``high`` inclusive; no ``high``: no upper bound."""
-    noun = "an integer number" if kind is int else "a number"
-    bounds = f">= {low:g}" if high is None else f"from {low:g} to {high:g}"
-    top = math.inf if high is None else high
-    return _Rule(attr, kind, f"{noun} of {unit} {bounds}", lambda v: low <= v <= top)
-
-
-def _choice(attr: str, options: Collection[str]) -> _Rule:
-    return _Rule(attr, str, "one of " + ", ".join(map(json.dumps, options)), options.__contains__)
-
-
-def _abs_path(attr: str, max_bytes: int = 4095, empty: str = "") -> _Rule:
-    """An absolute path of at most ``max_bytes`` in UTF-8, without control characters.
-
-    With ``empty`` (what ``""`` means, e.g. ``"no CDI spec"``) the empty string is
-    accepted too.
-    """
-    expects = f"an absolute path of at most {max_bytes} bytes"
-    expects += f', or "" ({empty})' if empty else ""
-
-    def accepts(value: str) -> bool:
-        if not value:
-            return bool(empty)
-        return value[:1] == "/" and len(value.encode()) <= max_bytes
-
-    return _Rule(attr, str, expects, accepts, _unprintable_path)
-
-
-def _unprintable_path(value: str) -> str | None:
-    """Why ``value`` cannot be a path kiwid creates, shows or passes on, if it cannot.
-
-    A NUL ends the path early in every system call (Python refuses it outright),
-    and other control characters make log lines and ``kiwictl`` output lie.
-    Unpaired surrogates cannot even be encoded; only text from no file has them.
-    """
-    bad = {c: unicodedata.category(c) for c in value if unicodedata.category(c) in ("Cc", "Cs")}
-    if not bad:
-        return None
-    what = " or ".join(
-        name
-        for category, name in (("Cc", "control characters"), ("Cs", "unpaired surrogates"))
-        if category in bad.values()
-    )
-    return f"must not contain {what} (found {', '.join(f'U+{ord(c):04X}' for c in bad)})"
-
-
-_OVERRIDE_RULES = {
-    "tq": _above_zero("tq", "seconds"),
-    "idle_release": _above_zero("idle_release", "seconds"),
-    "mode": _choice("mode", MODES),
-}
-_SCHEDULER_RULES = {
-    **_OVERRIDE_RULES,
-    "handover_allowance": _above_zero("handover_allowance", "seconds"),
-}
-_GPU_RULES = {
-    "backend": _choice("backend", BACKENDS),
-    "poll_interval": _within("poll_interval", float, "seconds", 0.05, 60),
-    "gate": _choice("gate", GATES),
-    "gate_timeout": _within("gate_timeout", float, "seconds", 0.1, 60),
-}
-_SIM_RULES = {
-    "devices": _within("sim_devices", int, "devices", 1, 64),
-    "memory_gib": _above_zero("sim_memory_gib", "GiB"),
-    "swap_out_gbps": _above_zero("sim_swap_out_gbps", "GB/s"),
-    "swap_in_gbps": _above_zero("sim_swap_in_gbps", "GB/s"),
-}
-_CONTROL_RULES = {
-    "socket": _abs_path("socket", _SOCKET_PATH_MAX_BYTES),
-    "admin_group": _Rule("admin_group", str, "a group name", lambda v: bool(v) and v.isprintable()),
-}
-_DAEMON_RULES = {
-    "state_dir": _abs_path("state_dir"),
-    "shutdown_timeout": _above_zero("shutdown_timeout", "seconds"),
-    "log_level": _choice("log_level", LOG_LEVELS),
-}
-_MEMORY_RULES = {
-    "reserve_mib": _within("reserve_mib", int, "MiB", 0),
-    "swap": _choice("swap", SWAPS),
-    "host_floor_mib": _within("host_floor_mib", int, "MiB", 0),
-}
-_METRICS_RULES = {
-    "listen": _Rule("listen", str, '"host:port" or "" (off)', lambda v: v == "" or _host_port(v)),
-}
-_KUBERNETES_RULES = {
-    "resource": _Rule(
-        "resource",
-        str,
-        'an extended resource name like "kiwi.io/gpu"',
-        lambda v: bool(
-            re.fullmatch(
-                r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", v
-            )
-        ),
-    ),
-    "replicas": _within("replicas", int, "slots", 1, 64),
-    "admission": _choice("admission", ADMISSIONS),
-    "cdi_dir": _abs_path("cdi_dir", empty="no CDI spec"),
-    "device_plugin_dir": _abs_path("device_plugin_dir"),
-    "gpus": _Rule(
-        "gpus",
-        list,
-        'a list of GPU indices or UUIDs, e.g. ["0", "GPU-..."] ([] for all)',
-        lambda v: all(isinstance(g, str) and g for g in v),
-    ),
-    "pod_resources_socket": _abs_path(
-        "pod_resources_socket", _SOCKET_PATH_MAX_BYTES, empty="no PodResources lookups"
-    ),
-}
-_SECTIONS = ("scheduler", "gpu", "control", "daemon", "memory", "metrics", "kubernetes")
-
-
-def _host_port(value: str) -> bool:
-    """Whether ``value`` is ``host:port`` (IPv6 in brackets) with a port 0-65535."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        return False
-    if host.startswith("["):
-        return host.endswith("]") and len(host) > 2
-    return ":" not in host
-
-
-def _has_kind(value: object, kind: type) -> bool:
-    """Whether ``value`` has TOML type ``kind``; a bool is no number, an int is a float.
-
-    An integer beyond 64 bits is no TOML integer (and may not fit in a float).
-    """
-    if isinstance(value, int) and value not in _INT64:
-        return False
-    wanted = (int, float) if kind is float else kind
-    return isinstance(value, wanted) and not isinstance(value, bool)
-
-
-def _type_name(value: object) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and value not in _INT64:
-        return "an integer beyond 64 bits"
-    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
-    names |= {list: "an array", dict: "a table"}
-    return names.get(type(value), "a date or time")
 
 
 def _show(value: object) -> str:
@@ -316,11 +154,11 @@ class _Reader:
         value = parent.get(name, {})
         if isinstance(value, dict):
             return value
-        self.problem(f"{dotted or name} = {_show(value)}: must be a table, not {_type_name(value)}")
+        self.problem(f"{dotted or name} = {_show(value)}: must be a table, not {type_name(value)}")
         return {}
 
     def section(
-        self, doc: Mapping[str, Any], name: str, rules: Mapping[str, _Rule]
+        self, doc: Mapping[str, Any], name: str, rules: Mapping[str, Rule]
     ) -> dict[str, Any]:
         """Check the top-level table ``name`` against ``rules``."""
         return self.fields(self.table(doc, name), name, rules)
@@ -329,7 +167,7 @@ class _Reader:
         self,
         table: Mapping[str, Any],
         prefix: str,
-        rules: Mapping[str, _Rule],
+        rules: Mapping[str, Rule],
         subtables: Sequence[str] = (),
     ) -> dict[str, Any]:
         """Check every key of ``table``; return valid values keyed by dataclass field."""
@@ -342,7 +180,7 @@ class _Reader:
                     known = ", ".join([*rules, *subtables])
                     self.problem(f"unknown key {dotted} (known keys: {known})")
                 continue
-            kind_ok = _has_kind(value, rule.kind)
+            kind_ok = has_kind(value, rule.kind)
             objection = rule.objects(value) if kind_ok else None
             if objection is not None:
                 self.refused.add(dotted)
@@ -361,7 +199,7 @@ class _Reader:
                         "short quantum is spent waiting for data"
                     )
             else:
-                got = "" if kind_ok else f", not {_type_name(value)}"
+                got = "" if kind_ok else f", not {type_name(value)}"
                 self.refused.add(dotted)
                 self.problem(f"{dotted} = {_show(value)}: must be {rule.expects}{got}")
         return values
@@ -369,7 +207,7 @@ class _Reader:
 
 def _scheduler(reader: _Reader, doc: Mapping[str, Any]) -> SchedulerSettings:
     table = reader.table(doc, "scheduler")
-    values = reader.fields(table, "scheduler", _SCHEDULER_RULES, ("gpu",))
+    values = reader.fields(table, "scheduler", SCHEDULER_RULES, ("gpu",))
     overrides: dict[str, GpuOverride] = {}
     for key in reader.table(table, "gpu", "scheduler.gpu"):
         dotted = f"scheduler.gpu.{_printable(json.dumps(key, ensure_ascii=False), toml=True)}"
@@ -380,42 +218,8 @@ def _scheduler(reader: _Reader, doc: Mapping[str, Any]) -> SchedulerSettings:
             )
             continue
         gpu_table = reader.table(table["gpu"], key, dotted)
-        overrides[key] = GpuOverride(**reader.fields(gpu_table, dotted, _OVERRIDE_RULES))
+        overrides[key] = GpuOverride(**reader.fields(gpu_table, dotted, OVERRIDE_RULES))
     return SchedulerSettings(gpu=GpuOverrides(overrides), **values)
-
-
-def _service_rules(
-    service: ServiceLimits,
-) -> tuple[Mapping[str, _Rule], Mapping[str, _Rule]]:
-    """The ``[gpu]`` and ``[daemon]`` rules, with the bounds the service sets."""
-    gate = service.max_gate_timeout_s
-    gate_why = (
-        f"half the {service.watchdog_s:g} s service watchdog ({service.watchdog_source}): "
-        f"kiwid pings the watchdog every {gate:g} s from the loop that waits for gates, so a "
-        "longer gate could let the watchdog expire, and systemd would kill kiwid"
-    )
-    stop = service.max_shutdown_timeout_s
-    stop_why = (
-        f"the shipped unit gives a stop {service.stop_timeout_s:g} s "
-        f"(TimeoutStopSec={service.stop_timeout_s:g}s) and then runs `kiwid recover` "
-        "(ExecStopPost=) to thaw what a forced stop left gated, which needs the last "
-        f"{service.recover_s:g} s"
-    )
-    gpu = dict(_GPU_RULES)
-    gpu["gate_timeout"] = replace(gpu["gate_timeout"], objects=_at_most(gate, f", {gate_why}"))
-    daemon = dict(_DAEMON_RULES)
-    daemon["shutdown_timeout"] = replace(
-        daemon["shutdown_timeout"], objects=_at_most(stop, f": {stop_why}")
-    )
-    return gpu, daemon
-
-
-def _at_most(limit: float, why: str) -> Callable[[Any], str | None]:
-    """An objection to numbers above ``limit`` seconds; ``why`` ends the message.
-
-    Numbers below the rule's own range, and NaN, are left to its ``accepts``.
-    """
-    return lambda value: f"must be at most {limit:g} s{why}" if value > limit else None
 
 
 def service_limits(environ: Mapping[str, str], pid: int | None = None) -> ServiceLimits:
@@ -440,20 +244,20 @@ def service_limits(environ: Mapping[str, str], pid: int | None = None) -> Servic
 
 
 def _build(reader: _Reader, doc: Mapping[str, Any], service: ServiceLimits) -> Settings:
-    reader.fields(doc, "", {}, _SECTIONS)  # only reports unknown top-level keys
-    gpu_rules, daemon_rules = _service_rules(service)
+    reader.fields(doc, "", {}, SECTIONS)  # only reports unknown top-level keys
+    gpu_rules, daemon_rules = service_rules(service)
     scheduler = _scheduler(reader, doc)
     gpu = reader.table(doc, "gpu")
     gpu_values = reader.fields(gpu, "gpu", gpu_rules, ("sim",))
-    gpu_values |= reader.fields(reader.table(gpu, "sim", "gpu.sim"), "gpu.sim", _SIM_RULES)
+    gpu_values |= reader.fields(reader.table(gpu, "sim", "gpu.sim"), "gpu.sim", SIM_RULES)
     settings = Settings(
         scheduler,
         GpuSettings(**gpu_values),
-        ControlSettings(**reader.section(doc, "control", _CONTROL_RULES)),
+        ControlSettings(**reader.section(doc, "control", CONTROL_RULES)),
         DaemonSettings(**reader.section(doc, "daemon", daemon_rules)),
-        MemorySettings(**reader.section(doc, "memory", _MEMORY_RULES)),
-        MetricsSettings(**reader.section(doc, "metrics", _METRICS_RULES)),
-        KubernetesSettings(**reader.section(doc, "kubernetes", _KUBERNETES_RULES)),
+        MemorySettings(**reader.section(doc, "memory", MEMORY_RULES)),
+        MetricsSettings(**reader.section(doc, "metrics", METRICS_RULES)),
+        KubernetesSettings(**reader.section(doc, "kubernetes", KUBERNETES_RULES)),
     )
     _check_state_dir(reader, settings)
     return settings

@@ -10,6 +10,7 @@ from kiwid.config.loader import (
     check_config_main,
     load_config,
     parse_config,
+    service_limits,
 )
 from kiwid.config.schema import (
     BACKENDS,
@@ -25,6 +26,7 @@ from kiwid.config.schema import (
     MemorySettings,
     MetricsSettings,
     SchedulerSettings,
+    ServiceLimits,
     Settings,
 )
 
@@ -46,8 +48,10 @@ __all__ = [
     "MemorySettings",
     "MetricsSettings",
     "SchedulerSettings",
+    "ServiceLimits",
     "Settings",
     "check_config_main",
     "load_config",
     "parse_config",
+    "service_limits",
 ]

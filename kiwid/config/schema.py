@@ -173,7 +173,10 @@ class GpuSettings:
     gate_timeout: float = 2.0
     """Seconds a gate may take (freeze until the cgroup reports frozen, or the
     driver's lock) before the tenant is let go again and runs on. Default 2.
-    Range 0.1 to 60."""
+    Range 0.1 to 60, and at most half the service watchdog
+    (:attr:`ServiceLimits.max_gate_timeout_s`: 15 s under the shipped unit's
+    ``WatchdogSec=30s``): kiwid pings the watchdog every half interval from the
+    loop that waits for gates, so a longer gate could let it expire."""
 
     sim_devices: int = 1
     """Number of simulated GPUs (``[gpu.sim] devices``) for backend ``"sim"``.
@@ -198,8 +201,11 @@ class ControlSettings:
     """The ``kiwictl`` control socket (``[control]``)."""
 
     socket: str = "/run/kiwi/kiwid.sock"
-    """Absolute path of the Unix control socket. Default under ``/run/kiwi``, the
-    runtime directory systemd creates. At most 107 bytes (the ``sun_path`` limit)."""
+    """Absolute path of the Unix control socket. Default ``/run/kiwi/kiwid.sock``,
+    in the runtime directory systemd creates (mode 0755, so every user reaches the
+    socket; kiwid checks who may change what). At most 107 bytes (the ``sun_path``
+    limit), no control characters, and outside :attr:`DaemonSettings.state_dir`:
+    that directory is mode 0700, so no one but root could reach a socket in it."""
 
     admin_group: str = "kiwi"
     """Group whose members may send commands (drain, pause) on the socket; others may
@@ -210,13 +216,20 @@ class ControlSettings:
 class DaemonSettings:
     """Daemon lifecycle and logging (``[daemon]``)."""
 
-    state_dir: str = "/run/kiwi"
+    state_dir: str = "/run/kiwi/state"
     """Absolute path of the directory for runtime state such as which cgroups are
-    frozen. Default ``/run/kiwi``: a tmpfs cleared on boot, like the state itself."""
+    gated: mode 0700, its files 0600, because they hold other users' container and
+    process names. Default ``/run/kiwi/state``: on a tmpfs cleared on boot, like the
+    state itself, and beside (not above) the control socket. It must be a directory
+    or not exist yet (kiwid creates it), hold no control characters, and neither be
+    nor contain :attr:`ControlSettings.socket`."""
 
     shutdown_timeout: float = 10.0
     """Seconds a graceful shutdown waits for thawed tenants to settle before forcing
-    its way out. Default 10, below systemd's 90 s stop timeout. Must be > 0."""
+    its way out. Default 10. Must be > 0 and at most 75
+    (:attr:`ServiceLimits.max_shutdown_timeout_s`): the shipped unit's
+    ``TimeoutStopSec=90s`` less 15 s for ``kiwid recover``, which systemd runs next
+    (``ExecStopPost=``) to thaw what a forced stop left gated."""
 
     log_level: str = "info"
     """Least severe level logged, one of :data:`LOG_LEVELS`. Default ``"info"``."""
@@ -315,3 +328,41 @@ class Settings:
 
     kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
     """``[kubernetes]``: device plugin, CDI spec and container admission."""
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """What the systemd service allows kiwid; some settings must fit inside.
+
+    Not read from the TOML file: the defaults are the shipped unit's
+    (``systemd/kiwid.service``), and :func:`kiwid.config.loader.service_limits` takes
+    the watchdog systemd actually gave from the environment.
+    """
+
+    watchdog_s: float = 30.0
+    """The service watchdog interval in seconds. Default 30, the shipped unit's
+    ``WatchdogSec=30s``; ``WATCHDOG_USEC`` when systemd runs kiwid with a watchdog.
+    kiwid pings at half of it from the loop that waits for gates, so
+    ``gpu.gate_timeout`` may be at most that half."""
+
+    watchdog_source: str = "WatchdogSec=30s in the shipped unit"
+    """Where :attr:`watchdog_s` came from, for messages."""
+
+    stop_timeout_s: float = 90.0
+    """How long systemd lets a stop take before it kills kiwid, in seconds: the
+    shipped unit's ``TimeoutStopSec=90s``."""
+
+    recover_s: float = 15.0
+    """Seconds of :attr:`stop_timeout_s` kept for ``kiwid recover``, which systemd
+    runs next (``ExecStopPost=``) to thaw what a forced stop left gated. Default 15.
+    ``daemon.shutdown_timeout`` may be at most ``stop_timeout_s - recover_s``."""
+
+    @property
+    def max_gate_timeout_s(self) -> float:
+        """The longest ``gpu.gate_timeout`` the watchdog survives, in seconds."""
+        return self.watchdog_s / 2
+
+    @property
+    def max_shutdown_timeout_s(self) -> float:
+        """The longest ``daemon.shutdown_timeout`` that leaves time for recover, in seconds."""
+        return self.stop_timeout_s - self.recover_s

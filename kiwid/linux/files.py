@@ -19,11 +19,33 @@ class NotRegularFile(OSError):
     """The path exists but is not a regular file (a FIFO, a device, a directory...).
 
     ``str()`` is one sentence naming the path and what it is.
+
+    Attributes:
+        path: The path as given.
+        kind: What it is instead, as :func:`describe_mode` names it (``"a FIFO
+            (named pipe)"``).
     """
+
+    def __init__(self, path: str | Path, kind: str) -> None:
+        """Say that ``path`` is ``kind``."""
+        super().__init__(f"{path} is {kind}, not a regular file")
+        self.path = str(path)
+        self.kind = kind
 
 
 class TooLarge(OSError):
-    """The file is larger than the caller accepts."""
+    """The file is larger than the caller accepts.
+
+    Attributes:
+        path: The path as given.
+        max_bytes: The most the caller accepts.
+    """
+
+    def __init__(self, path: str | Path, max_bytes: int) -> None:
+        """Say that ``path`` holds more than ``max_bytes`` bytes."""
+        super().__init__(f"{path} is larger than {max_bytes} bytes")
+        self.path = str(path)
+        self.max_bytes = max_bytes
 
 
 def describe_mode(mode: int) -> str:
@@ -43,35 +65,39 @@ def describe_mode(mode: int) -> str:
 def read_regular(path: str | Path, max_bytes: int) -> bytes:
     """Return the bytes of the regular file ``path``, refusing anything else.
 
-    The file is opened without blocking (a FIFO would otherwise wait for a
-    writer) and checked with ``fstat`` on the open descriptor, so a file swapped
-    for something else between a check and the open is caught too.
+    The path is checked with ``stat`` before it is opened, so a special file is
+    never opened at all (opening some devices acts: ``/dev/watchdog`` arms the
+    watchdog, a tape device rewinds). It is then opened without blocking (a FIFO
+    put in its place would otherwise wait for a writer) and checked again with
+    ``fstat`` on the open descriptor, so a file swapped for something else between
+    the check and the open is caught too. At most ``max_bytes + 1`` bytes are read,
+    whatever size the file claims (``/proc`` files claim 0).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         NotRegularFile: it is a FIFO, device, directory, socket...
         TooLarge: it holds more than ``max_bytes`` bytes.
-        OSError: it cannot be opened or read (permissions, I/O).
+        OSError: it cannot be opened or read (permissions, a symlink loop, I/O).
     """
+    _check_regular(path, Path(path).stat(), max_bytes)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    fd = os.open(path, flags)
     try:
-        fd = os.open(path, flags)
-    except IsADirectoryError:
-        raise NotRegularFile(f"{path} is a directory, not a file") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            what = describe_mode(info.st_mode)
-            raise NotRegularFile(f"{path} is {what}, not a regular file")
-        if info.st_size > max_bytes:
-            raise TooLarge(f"{path} is larger than {max_bytes} bytes")
+        _check_regular(path, os.fstat(fd), max_bytes)
         chunks: list[bytes] = []
         size = 0
         while chunk := os.read(fd, min(65536, max_bytes + 1 - size)):
             chunks.append(chunk)
             size += len(chunk)
-            if size > max_bytes:  # it grew while we read
-                raise TooLarge(f"{path} is larger than {max_bytes} bytes")
+            if size > max_bytes:  # it grew since the check, or claims a wrong size
+                raise TooLarge(path, max_bytes)
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def _check_regular(path: str | Path, info: os.stat_result, max_bytes: int) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise NotRegularFile(path, describe_mode(info.st_mode))
+    if info.st_size > max_bytes:
+        raise TooLarge(path, max_bytes)

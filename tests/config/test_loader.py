@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,12 @@ from kiwid.config import (
     ConfigError,
     GpuOverride,
     SchedulerSettings,
+    ServiceLimits,
     Settings,
     check_config_main,
     load_config,
     parse_config,
+    service_limits,
 )
 
 SHIPPED = Path(__file__).resolve().parents[2] / "etc" / "kiwi.toml"
@@ -61,9 +64,9 @@ KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
 KEYS_GROUPS = [f.name for f in dataclasses.fields(Settings)]
 
 
-def errors(text: str) -> list[str]:
+def errors(text: str, service: ServiceLimits | None = None) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        parse_config(text, SRC)
+        parse_config(text, SRC, service=service)
     assert str(info.value) == "\n".join(info.value.problems)
     return list(info.value.problems)
 
@@ -77,7 +80,7 @@ def test_defaults() -> None:
     assert s.gpu.sim_memory_gib == 80.0
     assert (s.control.socket, s.control.admin_group) == ("/run/kiwi/kiwid.sock", "kiwi")
     assert (s.daemon.state_dir, s.daemon.shutdown_timeout, s.daemon.log_level) == (
-        "/run/kiwi",
+        "/run/kiwi/state",
         10.0,
         "info",
     )
@@ -203,6 +206,10 @@ SOCKET = "must be an absolute path of at most 107 bytes"
         ('control.admin_group = ""', "must be a group name"),
         ('daemon.state_dir = "run/kiwi"', "must be an absolute path of at most 4095 bytes"),
         ("daemon.shutdown_timeout = -5", SECS),
+        (
+            'kubernetes.cdi_dir = "etc/cdi"',
+            'must be an absolute path of at most 4095 bytes, or "" (no CDI spec)',
+        ),
         ('daemon.log_level = "INFO"', 'must be one of "debug", "info", "warning", "error"'),
         ("memory.reserve_mib = -1", MIB),
         ("memory.reserve_mib = 1979-05-27", f"{MIB}, not a date or time"),
@@ -284,8 +291,6 @@ def test_load_config_errors(tmp_path: Path) -> None:
     missing = tmp_path / "missing.toml"
     with pytest.raises(ConfigError, match=rf"^{missing}: cannot read: No such file or directory$"):
         load_config(missing)
-    with pytest.raises(ConfigError, match=rf"^{tmp_path}: cannot read: Is a directory$"):
-        load_config(tmp_path)
     latin = tmp_path / "latin.toml"
     latin.write_bytes(b'daemon.state_dir = "/caf\xe9"\n')
     with pytest.raises(ConfigError, match=rf"^{latin}: not UTF-8 text: .* at byte 24$"):
@@ -359,8 +364,332 @@ def test_metrics_listen_is_host_and_port(listen: str, ok: bool) -> None:
 def test_the_pod_resources_socket_is_an_absolute_path_or_nothing() -> None:
     problem = errors('kubernetes.pod_resources_socket = "kubelet.sock"')[0]
     assert 'kubernetes.pod_resources_socket = "kubelet.sock": must be an absolute path' in problem
+    [problem] = errors(f'kubernetes.pod_resources_socket = "/{"x" * 107}"')
+    assert problem.endswith(
+        ': must be an absolute path of at most 107 bytes, or "" (no PodResources lookups)'
+    )
 
 
 def test_kubernetes_gpus_must_be_a_list_of_names() -> None:
     assert "kubernetes.gpus" in errors('kubernetes.gpus = "0"')[0]
     assert "kubernetes.gpus" in errors("kubernetes.gpus = [0]")[0]
+
+
+@pytest.mark.timeout(5)
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("fifo", "it is a FIFO (named pipe), not a regular file"),
+        ("/dev/zero", "it is a character device, not a regular file"),
+        ("dir", "it is a directory, not a regular file"),
+        ("big.toml", "it is larger than 1 MiB, too large for a kiwid configuration"),
+        ("loop", "Too many levels of symbolic links"),
+        ("missing", "No such file or directory"),
+        ("big.toml/below", "Not a directory"),
+    ],
+)
+def test_load_config_refuses_what_is_no_config_file(tmp_path: Path, name: str, reason: str) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "big.toml").write_text("#" * (1 << 20) + "\n", encoding="utf-8")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    path = tmp_path / name
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == (f"{path}: cannot read: {reason}",)
+
+
+def test_load_config_reads_a_file_of_1_mib(tmp_path: Path) -> None:
+    path = tmp_path / "kiwi.toml"
+    path.write_text("#" * ((1 << 20) - 1) + "\n", encoding="utf-8")
+    assert load_config(path).settings == Settings()
+
+
+def test_unprintable_paths_are_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("/etc/kiwi\0.toml")
+    assert info.value.problems == (
+        r"/etc/kiwi\x00.toml: cannot read: the path contains a NUL byte",
+    )
+    odd = tmp_path / "a\nb\udcff.toml"  # a newline, and the byte 0xff that is no UTF-8
+    odd.write_text("scheduler.tq = 0\n", encoding="utf-8")
+    assert check_config_main([str(odd)]) == 1
+    out, err = capsys.readouterr()
+    shown = str(tmp_path / r"a\x0ab\xff.toml")
+    assert (out, err) == ("", f"{shown}: scheduler.tq = 0: must be a number of seconds > 0\n")
+    assert check_config_main([str(tmp_path / "\ud800")]) == 1  # not even surrogateescape
+    err = capsys.readouterr().err
+    assert err == f"{tmp_path}/\\ud800: cannot read: the path is no valid file name\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (f"scheduler.tq = 1{'0' * 400}", "scheduler.tq = 1000"),
+        (f"memory.reserve_mib = {2**63}", "memory.reserve_mib = 9223372036854775808"),
+        (f"scheduler.tq = 1{'0' * 5000}", "invalid TOML"),
+    ],
+)
+def test_huge_integers_are_refused(text: str, problem: str) -> None:
+    [found] = errors(text)
+    assert found.startswith(f"{SRC}: {problem}")
+
+
+PATH_KEYS = [
+    "control.socket",
+    "daemon.state_dir",
+    "kubernetes.cdi_dir",
+    "kubernetes.device_plugin_dir",
+    "kubernetes.pod_resources_socket",
+]
+
+
+@pytest.mark.parametrize("key", PATH_KEYS)
+@pytest.mark.parametrize(
+    ("escaped", "found"),
+    [
+        (r"\u0000", "U+0000"),
+        (r"\n", "U+000A"),
+        (r"\u007f", "U+007F"),
+        (r"\u0085", "U+0085"),  # NEL, a C1 control
+        (r"\u001b[2J\u0000\u001b", "U+001B, U+0000"),
+    ],
+)
+def test_paths_refuse_control_characters(key: str, escaped: str, found: str) -> None:
+    assert errors(f'{key} = "/run/a{escaped}b"') == [
+        f'{SRC}: {key} = "/run/a{escaped}b": must not contain control characters (found {found})'
+    ]
+
+
+def test_paths_refuse_unpaired_surrogates() -> None:
+    # Only text from no file can hold one (a file is decoded as UTF-8 first).
+    assert errors('daemon.state_dir = "/run/\ud800"') == [
+        rf'{SRC}: daemon.state_dir = "/run/\ud800": must not contain unpaired surrogates '
+        "(found U+D800)"
+    ]
+
+
+@pytest.fixture
+def odd_files(tmp_path: Path) -> Path:
+    """A directory holding one of every kind of file a path may name by mistake."""
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").touch()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "device").symlink_to("/dev/null")
+    (tmp_path / "link-to-dir").symlink_to(tmp_path / "dir")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", ["dir", "link-to-dir", "absent", "dir/absent/absent"])
+def test_the_state_dir_may_be_a_directory_or_absent(odd_files: Path, name: str) -> None:
+    state_dir = str(odd_files / name)
+    assert parse_config(f"daemon.state_dir = {state_dir!r}").settings.daemon.state_dir == state_dir
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("file", "exists and is a regular file, not a directory"),
+        ("fifo", "exists and is a FIFO (named pipe), not a directory"),
+        ("device", "exists and is a character device, not a directory"),
+        ("dangling", "is a symbolic link to nothing, not a directory"),
+        ("loop", "is no usable directory: Too many levels of symbolic links"),
+        ("file/state", "is no usable directory: a path above it is no directory"),
+    ],
+)
+def test_the_state_dir_must_not_be_anything_else(odd_files: Path, name: str, reason: str) -> None:
+    state_dir = odd_files / name
+    [problem] = errors(f'daemon.state_dir = "{state_dir}"')
+    assert problem.startswith(f'{SRC}: daemon.state_dir = "{str(state_dir)[:40]}')  # shortened
+    assert problem.endswith(f": {reason}")
+
+
+def test_a_state_dir_out_of_sight_is_left_to_kiwid(monkeypatch: pytest.MonkeyPatch) -> None:
+    # check-config may run unprivileged; kiwid runs as root and sees for itself.
+    def denied(*_: object, **__: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "stat", denied)
+    assert parse_config('daemon.state_dir = "/root/x"').settings.daemon.state_dir == "/root/x"
+
+
+INSIDE = (
+    'must not be inside daemon.state_dir = "{state}": that directory is mode 0700, '
+    "so no one but root could reach the socket"
+)
+
+
+@pytest.mark.parametrize(
+    ("state_dir", "socket", "problem"),
+    [
+        (None, "/run/kiwi/state/kiwid.sock", INSIDE),
+        (None, "/run/kiwi/state/../state/x/kiwid.sock", INSIDE),
+        ("/run/kiwi", None, INSIDE),  # the old default state_dir with the default socket
+        ("/", "/kiwid.sock", INSIDE),
+        ("/run/kiwi/s", "/run/kiwi/s", 'must not be daemon.state_dir = "{state}" itself'),
+        (
+            "/run/kiwi/kiwid.sock/state",
+            None,
+            'must not be a directory above daemon.state_dir = "{state}"',
+        ),
+    ],
+)
+def test_the_socket_must_lie_outside_the_state_dir(
+    state_dir: str | None, socket: str | None, problem: str
+) -> None:
+    text = "" if state_dir is None else f"daemon.state_dir = {state_dir!r}\n"
+    text += "" if socket is None else f"control.socket = {socket!r}\n"
+    shown_socket = socket or "/run/kiwi/kiwid.sock"
+    reason = problem.format(state=state_dir or "/run/kiwi/state")
+    assert errors(text) == [f'{SRC}: control.socket = "{shown_socket}": {reason}']
+
+
+@pytest.mark.parametrize(
+    ("state_dir", "socket"),
+    [
+        ("/run/kiwi/state", "/run/kiwi/kiwid.sock"),
+        ("/run/kiwi/state", "/run/kiwi/state2.sock"),  # a shared prefix is no parent
+        ("/var/lib/kiwi", "/run/kiwi/kiwid.sock"),
+    ],
+)
+def test_a_socket_beside_the_state_dir_is_fine(state_dir: str, socket: str) -> None:
+    settings = parse_config(f"daemon.state_dir = {state_dir!r}\ncontrol.socket = {socket!r}")
+    assert (settings.settings.daemon.state_dir, settings.settings.control.socket) == (
+        state_dir,
+        socket,
+    )
+
+
+def test_a_bad_path_is_not_compared_again() -> None:
+    # The socket is reported once, as relative; the default state_dir is not involved.
+    assert errors('control.socket = "run/kiwi/state/kiwid.sock"') == [
+        f'{SRC}: control.socket = "run/kiwi/state/kiwid.sock": {SOCKET}'
+    ]
+
+
+SHIPPED_WATCHDOG = (
+    "must be at most 15 s, half the 30 s service watchdog (WatchdogSec=30s in the shipped "
+    "unit): kiwid pings the watchdog every 15 s from the loop that waits for gates, so a "
+    "longer gate could let the watchdog expire, and systemd would kill kiwid"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("gpu.gate_timeout = 15.5", SHIPPED_WATCHDOG),
+        ("gpu.gate_timeout = 60", SHIPPED_WATCHDOG),
+        ("gpu.gate_timeout = inf", SHIPPED_WATCHDOG),
+        ("gpu.gate_timeout = 0.05", "must be a number of seconds from 0.1 to 60"),
+        ("gpu.gate_timeout = nan", "must be a number of seconds from 0.1 to 60"),
+    ],
+)
+def test_the_gate_timeout_fits_in_the_shipped_watchdog(text: str, reason: str) -> None:
+    assert errors(text) == [f"{SRC}: {text}: {reason}"]
+    assert parse_config("gpu.gate_timeout = 15").settings.gpu.gate_timeout == 15.0
+
+
+def test_the_gate_timeout_fits_in_the_watchdog_systemd_gave(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "kiwi.toml"
+    path.write_text("gpu.gate_timeout = 6\n", encoding="utf-8")
+    monkeypatch.setenv("WATCHDOG_USEC", "10000000")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == (
+        f"{path}: gpu.gate_timeout = 6: must be at most 5 s, half the 10 s service watchdog "
+        "(WATCHDOG_USEC=10000000): kiwid pings the watchdog every 5 s from the loop that "
+        "waits for gates, so a longer gate could let the watchdog expire, and systemd would "
+        "kill kiwid",
+    )
+    assert check_config_main([str(path)]) == 1
+    assert "half the 10 s service watchdog" in capsys.readouterr().err
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert "half the 10 s" in errors("gpu.gate_timeout = 6")[0]
+    monkeypatch.setenv("WATCHDOG_USEC", "300000000")  # 150 s: the range's 60 s still holds
+    assert parse_config("gpu.gate_timeout = 60").settings.gpu.gate_timeout == 60.0
+    assert errors("gpu.gate_timeout = 61") == [
+        f"{SRC}: gpu.gate_timeout = 61: must be a number of seconds from 0.1 to 60"
+    ]
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"WATCHDOG_USEC": "10000000", "WATCHDOG_PID": "1"},  # another process's watchdog
+        {"WATCHDOG_USEC": "0"},
+        {"WATCHDOG_USEC": ""},
+        {"WATCHDOG_USEC": "ten"},
+        {"WATCHDOG_USEC": "-5"},
+        {"WATCHDOG_USEC": "\u00b2"},  # a digit to str.isdigit, not to int()
+        {"WATCHDOG_USEC": "9" * 5000},
+    ],
+)
+def test_an_unusable_watchdog_variable_means_the_shipped_unit(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str]
+) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert errors("gpu.gate_timeout = 15.5") == [
+        f"{SRC}: gpu.gate_timeout = 15.5: {SHIPPED_WATCHDOG}"
+    ]
+
+
+SHUTDOWN = (
+    "must be at most 75 s: the shipped unit gives a stop 90 s (TimeoutStopSec=90s) and "
+    "then runs `kiwid recover` (ExecStopPost=) to thaw what a forced stop left gated, "
+    "which needs the last 15 s"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("daemon.shutdown_timeout = 75.5", SHUTDOWN),
+        ("daemon.shutdown_timeout = 90", SHUTDOWN),
+        ("daemon.shutdown_timeout = inf", SHUTDOWN),
+        ("daemon.shutdown_timeout = 0", SECS),
+    ],
+)
+def test_the_shutdown_timeout_leaves_time_for_recover(text: str, reason: str) -> None:
+    assert errors(text) == [f"{SRC}: {text}: {reason}"]
+    assert parse_config("daemon.shutdown_timeout = 75").settings.daemon.shutdown_timeout == 75.0
+
+
+def test_service_limits_can_be_given() -> None:
+    environ = {"WATCHDOG_USEC": "4000000", "WATCHDOG_PID": "7"}
+    assert service_limits(environ, pid=7) == ServiceLimits(4.0, "WATCHDOG_USEC=4000000")
+    assert service_limits(environ, pid=8) == ServiceLimits()
+    roomy = ServiceLimits(watchdog_s=60.0, stop_timeout_s=300.0)
+    loaded = parse_config("gpu.gate_timeout = 30\ndaemon.shutdown_timeout = 285", service=roomy)
+    assert (loaded.settings.gpu.gate_timeout, loaded.settings.daemon.shutdown_timeout) == (30, 285)
+    assert (
+        "must be at most 2 s, half the 4 s service watchdog"
+        in errors("gpu.gate_timeout = 3", service=ServiceLimits(4.0, "WATCHDOG_USEC=4000000"))[0]
+    )
+
+
+KNOWN_TABLES = "scheduler, gpu, control, daemon, memory, metrics, kubernetes"
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[tenants.alice]\nweight = 2\n[tenants."bob smith"]\nweight = 1\n', "tenants"),
+        ('[[tenant]]\nname = "alice"\n', "tenant"),
+        ("tenants = {}\n", "tenants"),
+    ],
+)
+def test_tables_not_yet_known_are_unknown_keys(text: str, key: str) -> None:
+    # Per-tenant rules are another issue; until then such a table is an error, not ignored.
+    assert errors(text) == [f"{SRC}: unknown key {key} (known keys: {KNOWN_TABLES})"]
+
+
+def test_unknown_tables_inside_known_ones_too() -> None:
+    assert errors("[scheduler.tenants.alice]\ntq = 1\n") == [
+        f"{SRC}: unknown key scheduler.tenants "
+        "(known keys: tq, idle_release, mode, handover_allowance, gpu)"
+    ]

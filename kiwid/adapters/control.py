@@ -64,6 +64,7 @@ _ARGS: dict[str, dict[str, str]] = {
     "unregister": {"id": "string"},
 }
 _CLIENT_MAX_RESPONSE = 16 * 1024 * 1024  # bytes; a status of many GPUs stays far below
+MAX_DEPTH = 32  # levels of objects and arrays in a request, the request itself being 1
 
 
 class ControlError(Exception):
@@ -161,6 +162,41 @@ def _decode(line: bytes) -> Any:
     )
 
 
+def _text_problem(text: str) -> str | None:
+    """Why kiwid refuses this string (a lone surrogate cannot be encoded), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"is not valid Unicode: it holds a lone surrogate U+{ord(text[exc.start]):04X}"
+    return None
+
+
+def _refusal(value: Any, path: str = "", depth: int = 1) -> str | None:
+    """The first string or key in ``value`` that kiwid refuses, as a sentence; or None.
+
+    Walks without recursion, in document order, so that no nesting the JSON parser
+    accepted can exhaust the stack here. ``path`` names ``value`` (``""``: the request).
+    """
+    stack = [(value, path, depth)]
+    while stack:
+        item, where, level = stack.pop()
+        if isinstance(item, str):
+            if problem := _text_problem(item):
+                return f"the string at {where} {problem}" if where else f"the request {problem}"
+        elif isinstance(item, dict | list):
+            if level > MAX_DEPTH:
+                return f"{where or 'the request'} is nested deeper than {MAX_DEPTH} levels"
+            if isinstance(item, list):
+                named = [(f"{where}[{i}]", v) for i, v in enumerate(item)]
+            else:
+                for key in item:
+                    if problem := _text_problem(key):
+                        return f"a key of {where or 'the request'} {problem}"
+                named = [(f"{where}.{k}" if where else k, v) for k, v in item.items()]
+            stack.extend((v, name, level + 1) for name, v in reversed(named))
+    return None
+
+
 def _encode(message: dict[str, Any]) -> bytes:
     return json.dumps(message, ensure_ascii=False, allow_nan=False).encode("utf-8") + b"\n"
 
@@ -172,6 +208,8 @@ def _error(rid: Any, code: str, message: str) -> dict[str, Any]:
 
 def _check_envelope(req: Any) -> tuple[str, dict[str, Any]]:
     """Validate a parsed request; return ``(cmd, args)`` or raise `ControlError`."""
+    if problem := _refusal(req):  # first: no message below may quote such a string
+        raise ControlError("bad-request", f"request refused: {problem}")
     if not isinstance(req, dict):
         raise ControlError("bad-request", "a request must be a JSON object")
     extra = sorted(set(req) - set(_ENVELOPE))
@@ -341,8 +379,9 @@ class ControlServer:
             )
             writer.transport.abort()
         except Exception:
+            # A bug: log it, and close gently below so that answers already queued
+            # on this connection still reach the client.
             logger.exception("control connection failed")
-            writer.transport.abort()
         finally:
             self._clients.pop(task, None)
             writer.close()
@@ -396,8 +435,8 @@ class ControlServer:
                 req = _decode(line)
             except (ValueError, RecursionError) as exc:
                 raise ControlError("bad-request", f"request is not valid JSON: {exc}") from None
-            if isinstance(req, dict):
-                rid = req.get("id")
+            if isinstance(req, dict) and not _refusal(req.get("id"), "id", 2):
+                rid = req.get("id")  # echoed only if it can be: else the answer's id is null
             cmd, args = _check_envelope(req)
             self._authorise(cmd, peer)
             _check_args(cmd, args)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from kiwid.adapters.control import (
+    MAX_DEPTH,
     ControlError,
     ControlServer,
     DaemonUnreachable,
@@ -254,6 +255,59 @@ def test_bad_requests_are_answered_and_the_connection_lives_on(
     assert r.ask({"v": 1, "cmd": "ping"})["result"] == {"version": "0.1.0"}
     handled = ["set-tq", "ping"] if code == "invalid-value" else ["ping"]
     assert [c[0] for c in daemon.calls] == handled  # the handler sees valid requests only
+
+
+@pytest.mark.parametrize(
+    ("line", "rid", "where"),
+    [
+        (rb'{"v": 1, "id": "\ud800", "cmd": "ping"}', None, "the string at id"),
+        (rb'{"v": 1, "id": ["ok", {"k": "\udfff"}], "cmd": "ping"}', None, "id[1].k"),
+        (rb'{"v": 1, "id": 7, "cmd": "\udc00"}', 7, "the string at cmd"),
+        (rb'{"v": 1, "id": 7, "cmd": "ping", "\ud800": 1}', 7, "a key of the request"),
+        (rb'{"v": 1, "id": 7, "cmd": "ping", "args": {"\ud800": 1}}', 7, "a key of args"),
+        (
+            rb'{"v": 1, "id": 7, "cmd": "register", "args": {"id": "c1", "name": "x\ud800"}}',
+            7,
+            "the string at args.name",
+        ),
+        (
+            rb'{"v": 1, "id": 7, "cmd": "register", "args": {"id": "c1", "gpus": ["0", "\udbff"]}}',
+            7,
+            "args.gpus[1]",
+        ),
+    ],
+)
+def test_lone_surrogates_are_refused_and_the_connection_keeps_its_answers(
+    serve: Any, raw: Any, caplog: pytest.LogCaptureFixture, line: bytes, rid: Any, where: str
+) -> None:
+    daemon = FakeDaemon()
+    r = raw(serve(daemon).path)
+    with caplog.at_level(logging.DEBUG, logger="kiwid.control"):
+        r.send(
+            b'{"v": 1, "id": 1, "cmd": "ping"}\n' + line + b'\n{"v": 1, "id": 3, "cmd": "ping"}\n'
+        )
+        answers = [r.recv(), r.recv(), r.recv()]
+    assert [a and (a["id"], a["ok"]) for a in answers] == [(1, True), (rid, False), (3, True)]
+    error = (answers[1] or {})["error"]
+    assert error["code"] == "bad-request"
+    assert where in error["message"]
+    assert "not valid Unicode" in error["message"]
+    assert [c[0] for c in daemon.calls] == ["ping", "ping"]  # never reaches the handler
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.ERROR]
+
+
+def test_every_nesting_depth_is_answered_and_deep_ids_are_not_echoed(serve: Any, raw: Any) -> None:
+    """Below the parser's recursion limit too: there, echoing a deep id overflowed the stack."""
+    r = raw(serve().path)
+    for depth in range(1, 1100):
+        rid = b"[" * depth + b"]" * depth
+        answer = r.ask(b'{"v": 1, "cmd": "ping", "id": ' + rid + b"}\n")
+        if depth < MAX_DEPTH:  # the request is level 1, its id's outer list level 2
+            assert (answer["id"], answer["ok"]) == (json.loads(rid), True), depth
+        else:
+            assert (answer["id"], answer["ok"]) == (None, False), depth
+            assert answer["error"]["code"] == "bad-request", depth
+    assert r.ask({"v": 1, "id": "after", "cmd": "ping"})["ok"] is True
 
 
 def test_blank_lines_are_ignored_and_a_last_line_needs_no_newline(serve: Any, raw: Any) -> None:

@@ -65,6 +65,8 @@ _ARGS: dict[str, dict[str, str]] = {
 }
 _CLIENT_MAX_RESPONSE = 16 * 1024 * 1024  # bytes; a status of many GPUs stays far below
 MAX_DEPTH = 32  # levels of objects and arrays in a request, the request itself being 1
+MAX_INT_DIGITS = 64  # digits of an integer in a request; an int64 has 19
+_INT64 = range(-(2**63), 2**63)  # the "integer" kind: what the daemon can pass to the kernel
 
 
 class ControlError(Exception):
@@ -151,23 +153,37 @@ def _reject_constant(name: str) -> Any:
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"number {text} is out of range")
+        shown = text if len(text) <= 24 else f"{text[:20]}...({len(text)} characters)"
+        raise ValueError(f"number {shown} is out of range")
     return value
+
+
+def _bounded_int(text: str) -> int:
+    # Our own limit, below Python's (4300 digits, whose message names a Python call).
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {digits} digits; kiwid reads at most {MAX_INT_DIGITS}")
+    return int(text)
 
 
 def _decode(line: bytes) -> Any:
     """Parse one request line strictly (UTF-8, no NaN/Infinity, finite numbers)."""
     return json.loads(
-        line.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float
+        line.decode("utf-8"),
+        parse_constant=_reject_constant,
+        parse_float=_finite_float,
+        parse_int=_bounded_int,
     )
 
 
 def _text_problem(text: str) -> str | None:
-    """Why kiwid refuses this string (a lone surrogate cannot be encoded), or None."""
+    """Why kiwid refuses this string (a lone surrogate cannot be encoded, NUL), or None."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         return f"is not valid Unicode: it holds a lone surrogate U+{ord(text[exc.start]):04X}"
+    if "\0" in text:  # no name, id or path has one; many C and kernel interfaces stop at it
+        return "contains a NUL character (U+0000)"
     return None
 
 
@@ -239,6 +255,8 @@ def _kind_ok(kind: str, value: Any) -> bool:
         return isinstance(value, bool)
     if kind == "strings":
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if kind == "integer":
+        return not isinstance(value, bool) and isinstance(value, int) and value in _INT64
     return not isinstance(value, bool) and isinstance(value, _KINDS[kind])
 
 
@@ -253,6 +271,7 @@ def _check_args(cmd: str, args: dict[str, Any]) -> None:
             raise ControlError("bad-request", f"{cmd} needs argument {name!r} ({kind})")
         if name in args and not _kind_ok(kind, value):
             what = kind.replace("-or-null", " or null").replace("strings", "list of strings")
+            what = what.replace("integer", "64-bit integer")
             raise ControlError("bad-request", f"{cmd} argument {name!r} must be a {what}")
 
 

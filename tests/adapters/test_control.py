@@ -19,9 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from kiwid.adapters.control import (
+    ERROR_CODES,
     MAX_DEPTH,
+    MAX_INT_DIGITS,
     ControlError,
     ControlServer,
     DaemonUnreachable,
@@ -179,6 +183,28 @@ class LogEvent(logging.Handler):
         logging.getLogger("kiwid.control").removeHandler(self)
 
 
+class LogRecords(logging.Handler):
+    """Collects what ``kiwid.control`` logs, at every level, from any thread."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._logger = logging.getLogger("kiwid.control")
+        self._level = self._logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> list[logging.LogRecord]:
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.DEBUG)
+        return self.records
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
+
+
 @pytest.fixture
 def raw() -> Iterator[Callable[[Path], Raw]]:
     opened: list[Raw] = []
@@ -226,7 +252,54 @@ def test_several_requests_on_one_connection_answered_in_order(serve: Any, raw: A
         (b'{"v": 1, "cmd": "set-tq", "args": {"tq": NaN}}', "bad-request", "NaN"),
         (b'{"v": 1, "cmd": "set-tq", "args": {"tq": 1e999}}', "bad-request", "out of range"),
         (b"[" * 60000, "bad-request", "not valid JSON"),
+        (b'{"v": 1, "cmd": "set-tq", "args": {"tq": Infinity}}', "bad-request", "Infinity"),
+        (b'{"v": 1, "cmd": "set-tq", "args": {"tq": -Infinity}}', "bad-request", "-Infinity"),
+        (b'{"v": 1, "cmd": "set-tq", "args": {"tq": -1e999}}', "bad-request", "out of range"),
+        (b'{"v": 1, "cmd": "ping", "id": ' + b"9" * 5000 + b"}", "bad-request", "5000 digits"),
+        (
+            b'{"v": 1, "cmd": "ping", "id": -' + b"9" * 65 + b"}",
+            "bad-request",
+            "65 digits; kiwid reads at most 64",
+        ),
+        (
+            b'{"v": 1, "cmd": "sim-detach", "args": {"pid": 9223372036854775808}}',
+            "bad-request",
+            "64-bit",
+        ),
+        (
+            b'{"v": 1, "cmd": "sim-detach", "args": {"pid": -9223372036854775809}}',
+            "bad-request",
+            "64-bit",
+        ),
+        (b'{"v": 1, "cmd": "sim-detach", "args": {"pid": 1e3}}', "bad-request", "integer"),
+        (
+            b'{"v": 1, "cmd": "set-tq", "args": {"tq": ' + b"9" * 64 + b"}}",
+            "invalid-value",
+            "not 1e+64",
+        ),
+        (
+            b'{"v": 1, "cmd": "set-tq", "args": {"tq": 1' + b"0" * 400 + b".5}}",
+            "bad-request",
+            "out of range",
+        ),
+        (b'{"v": 1, "cmd": "ping", "id": "a\xed\xa0\x80"}', "bad-request", "not valid JSON"),
+        (b'{"v": 1, "cmd": "ping", "id": "\xc0\xaf"}', "bad-request", "not valid JSON"),
+        (b'\xef\xbb\xbf{"v": 1, "cmd": "ping"}', "bad-request", "not valid JSON"),
+        (b'{"v": 1, "cmd": "ping", "id": "a\x00b"}', "bad-request", "not valid JSON"),
+        (b'{"v": 1, "cmd": "ping"}\x00', "bad-request", "not valid JSON"),
+        (b'{"v": 1, "cmd": "set-mode", "args": {"mode": "off\\u0000"}}', "bad-request", "NUL"),
+        (b'{"v": 1, "cmd": "ping", "id": {"\\u0000": 1}}', "bad-request", "NUL"),
         (b"[1, 2]", "bad-request", "JSON object"),
+        (b"null", "bad-request", "JSON object"),
+        (b'"ping"', "bad-request", "JSON object"),
+        (b'{"v": 1, "cmd": ["ping"]}', "bad-request", "'cmd'"),
+        (b'{"v": 1, "cmd": null}', "bad-request", "'cmd'"),
+        (b'{"v": "1", "cmd": "ping"}', "bad-request", "version '1'"),
+        (b'{"v": 1, "cmd": "ping", "args": null}', "bad-request", "'args'"),
+        (b'{"v": 1, "cmd": "set-mode", "args": {"mode": null}}', "bad-request", "must be a string"),
+        (b'{"v": 1, "cmd": "register", "args": {"id": "c", "gpus": "0"}}', "bad-request", "list"),
+        (b'{"v": 1, "cmd": "register", "args": {"id": "c", "gpus": [0]}}', "bad-request", "list"),
+        (b'{"v": 1, "cmd": "register", "args": {"id": "c", "hold": 1}}', "bad-request", "boolean"),
         (b'{"v": 2, "cmd": "ping"}', "bad-request", "version 2"),
         (b'{"v": true, "cmd": "ping"}', "bad-request", "version"),
         (b'{"cmd": "ping"}', "bad-request", "version None"),
@@ -335,6 +408,163 @@ def test_line_of_exactly_max_line_is_accepted(serve: Any, raw: Any) -> None:
     line += b"x" * (100 - len(line) - 2) + b'"}'
     assert len(line) == 100
     assert r.ask(line + b"\n")["ok"] is True
+
+
+# ---- property: every line gets exactly one answer --------------------------------------
+
+ANY_CHAR = hst.characters(exclude_categories=())  # lone surrogates and NUL included
+EDGES = ["\0", "x\0", "\ud800", "a\udfffb", 2**63, -(2**63) - 1, 10**64, -(10**70), 1e308]
+JSON_VALUES = hst.recursive(
+    hst.none()
+    | hst.booleans()
+    | hst.integers()
+    | hst.floats()
+    | hst.text(ANY_CHAR, max_size=8)
+    | hst.sampled_from(EDGES),
+    lambda kids: (
+        hst.lists(kids, max_size=4)
+        | hst.dictionaries(hst.text(ANY_CHAR, max_size=6), kids, max_size=4)
+    ),
+    max_leaves=12,
+)
+VALID_REQUESTS: list[dict[str, Any]] = [
+    {"v": 1, "id": 1, "cmd": "ping"},
+    {"v": 1, "id": "s", "cmd": "status", "args": {}},
+    {"v": 1, "cmd": "tenants"},
+    {"v": 1, "id": 2, "cmd": "set-tq", "args": {"tq": 20, "gpu": "0"}},
+    {"v": 1, "id": 3, "cmd": "set-mode", "args": {"mode": "off"}},
+    {"v": 1, "id": 4, "cmd": "sim-attach", "args": SIM},
+    {"v": 1, "id": 5, "cmd": "sim-detach", "args": {"pid": 1}},
+    {
+        "v": 1,
+        "id": [6],
+        "cmd": "register",
+        "args": {"id": "c1", "cgroup_v2": None, "pid": 7, "name": "n", "pod": "p"}
+        | {"namespace": "ns", "gpus": ["0"], "hold": True, "device_ids": ["d"]},
+    },
+    {"v": 1, "id": 7, "cmd": "unregister", "args": {"id": "c1"}},
+]
+SPECIAL_LINES = [
+    b"",
+    b" \t\r",
+    b"NaN",
+    b"-Infinity",
+    b"[" * 3000,
+    b"[" * 900 + b"]" * 900,
+    b"9" * 5000,
+    b"\x00",
+    b"\xef\xbb\xbf{}",
+    b'{"v": 1, "cmd": "ping", "id": "\\ud800"}',
+    b'{"v": 1, "cmd": "ping", "id": "\\u0000"}',
+]
+
+
+def _dump(value: Any, ascii_only: bool) -> bytes:
+    return json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+
+
+@hst.composite
+def mutated_requests(draw: hst.DrawFn) -> bytes:
+    """A valid request with fields replaced or removed, then perhaps a few bytes edited.
+
+    Replacements favour the fields a request already has and strings and edge values,
+    so that many mutants are still valid and reach the handler.
+    """
+    req = copy.deepcopy(draw(hst.sampled_from(VALID_REQUESTS)))
+    for _ in range(draw(hst.integers(0, 3))):
+        args = req.get("args")
+        target = args if isinstance(args, dict) and draw(hst.booleans()) else req
+        if target and draw(hst.integers(0, 3)) == 0:
+            del target[draw(hst.sampled_from(sorted(target)))]
+        else:
+            names = hst.sampled_from(sorted(target) or ["id"]) | hst.text(ANY_CHAR, max_size=4)
+            value = hst.sampled_from(EDGES) | hst.text(ANY_CHAR, max_size=8) | JSON_VALUES
+            target[draw(names)] = draw(value)
+    data = _dump(req, draw(hst.sampled_from([True, True, True, False])))
+    for _ in range(draw(hst.sampled_from([0, 0, 0, 0, 1, 2]))):
+        at = draw(hst.integers(0, len(data)))
+        data = data[:at] + draw(hst.binary(max_size=3)) + data[at + draw(hst.integers(0, 3)) :]
+    return data
+
+
+LINES = (
+    hst.binary(max_size=64)
+    | hst.builds(_dump, JSON_VALUES, hst.booleans())
+    | mutated_requests()
+    | hst.sampled_from(SPECIAL_LINES)
+).map(lambda line: line.replace(b"\n", b""))
+
+
+def _handler_safe(value: Any) -> bool:
+    """No NUL, lone surrogate or integer beyond 64 digits anywhere in ``value``."""
+    if isinstance(value, str):
+        return "\0" not in value and not any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    if isinstance(value, int):
+        return abs(value) < 10**MAX_INT_DIGITS
+    if isinstance(value, list):
+        return all(_handler_safe(v) for v in value)
+    if isinstance(value, dict):
+        return all(_handler_safe(k) and _handler_safe(v) for k, v in value.items())
+    return True
+
+
+async def echo(cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    """Answers with what it was given; fails (so: internal) on what should not get here."""
+    if not _handler_safe(args):
+        raise AssertionError(f"the handler got {args!r}")
+    return {"cmd": cmd, "args": args}
+
+
+def read_answers(r: Raw) -> list[dict[str, Any]]:
+    """Every answer line up to the end of the stream, each checked to be strict JSON."""
+    data = b""
+    while chunk := r.sock.recv(1 << 20):
+        data += chunk
+    *lines, rest = data.split(b"\n")
+    assert rest == b"", "an answer without its newline"
+    answers = []
+    for line in lines:
+        answer = json.loads(line.decode("utf-8"), parse_constant=pytest.fail)
+        assert isinstance(answer, dict)
+        assert answer["v"] == 1
+        assert "id" in answer
+        if answer["ok"] is True:
+            assert "result" in answer
+        else:
+            assert answer["ok"] is False
+            assert answer["error"]["code"] in ERROR_CODES - {"internal"}, answer
+            assert isinstance(answer["error"]["message"], str)
+            assert answer["error"]["message"]
+        answers.append(answer)
+    return answers
+
+
+def test_any_lines_get_one_answer_each_in_order(serve: Any, raw: Any) -> None:
+    server = serve(echo)
+    with LogRecords() as records:
+
+        @settings(max_examples=300, deadline=None)
+        @given(hst.lists(LINES, max_size=8), hst.booleans())
+        def one_connection(lines: list[bytes], last_newline: bool) -> None:
+            r = raw(server.path)
+            payload = b""
+            for i, line in enumerate(lines):
+                payload += line + b"\n" + b'{"v": 1, "cmd": "ping", "id": "m%d"}\n' % i
+            r.send(payload if last_newline else payload.removesuffix(b"\n"))
+            r.sock.shutdown(socket.SHUT_WR)
+            answers = read_answers(r)
+            r.close()
+            expected: list[str | None] = []  # None: any answer; blank lines get none
+            for i, line in enumerate(lines):
+                expected += [None, f"m{i}"] if line.strip() else [f"m{i}"]
+            assert len(answers) == len(expected)
+            for answer, marker in zip(answers, expected, strict=True):
+                if marker is not None:
+                    assert (answer["id"], answer["ok"]) == (marker, True)
+
+        one_connection()
+        assert request(server.path, "ping") == {"cmd": "ping", "args": {}}
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING or r.exc_info] == []
 
 
 # ---- slow, idle, greedy and too many clients -------------------------------------------

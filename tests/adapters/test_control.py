@@ -766,14 +766,13 @@ def test_peer_of_reads_kernel_credentials() -> None:
     assert set(os.getgroups()) | {os.getegid()} == peer.groups
 
 
+# The module's source comes on stdin: uid nobody may not read the checkout (/root is 0700).
 NOBODY_CLIENT = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("kiwi_control", sys.argv[1])
-mod = importlib.util.module_from_spec(spec)
-sys.modules["kiwi_control"] = mod
-spec.loader.exec_module(mod)
+import json, sys, types
+mod = sys.modules["kiwi_control"] = types.ModuleType("kiwi_control")
+exec(compile(sys.stdin.read(), "kiwid/adapters/control.py", "exec"), mod.__dict__)
 try:
-    out = {"ok": True, "result": mod.request(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))}
+    out = {"ok": True, "result": mod.request(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))}
 except mod.ControlError as exc:
     out = {"ok": False, "code": exc.code, "message": exc.message}
 except mod.DaemonUnreachable as exc:
@@ -803,7 +802,8 @@ def as_nobody(
     ids = {"group": NOBODY, "extra_groups": [], **ids}
     extra = [json.dumps(args or {})]
     proc = subprocess.run(
-        [nobody_python(), "-I", "-c", NOBODY_CLIENT, str(CONTROL_PY), str(path), cmd, *extra],
+        [nobody_python(), "-I", "-c", NOBODY_CLIENT, str(path), cmd, *extra],
+        input=CONTROL_PY.read_text(),
         user=NOBODY,
         cwd="/",
         capture_output=True,

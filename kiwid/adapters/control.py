@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import logging
 import math
@@ -18,9 +19,10 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 logger = logging.getLogger("kiwid.control")
@@ -30,43 +32,186 @@ ERROR_CODES = frozenset(
     {"bad-request", "too-large", "unknown-command", "forbidden", "invalid-value"}
     | {"unavailable", "internal"}
 )
-READ_COMMANDS = frozenset({"ping", "status", "tenants"})
-ADMIN_COMMANDS = frozenset(
-    {"set-tq", "set-mode", "sim-attach", "sim-detach", "register", "unregister"}
-)
-COMMANDS = READ_COMMANDS | ADMIN_COMMANDS
-
 _ENVELOPE = ("v", "id", "cmd", "args")
-_KINDS: dict[str, tuple[type, ...]] = {"number": (int, float), "integer": (int,), "string": (str,)}
-# cmd -> {argument: kind}, "?" marking an optional one. Only types are checked here;
-# values (ranges, mode names, GPU ids) are the daemon's to judge, as invalid-value.
-_ARGS: dict[str, dict[str, str]] = {
-    **{cmd: {} for cmd in READ_COMMANDS},
-    "set-tq": {"tq": "number", "gpu": "string?"},
-    "set-mode": {"mode": "string"},
-    "sim-attach": {"pid": "integer", "gpu": "integer", "memory_bytes": "integer"}
-    | {"activity": "string"},
-    "sim-detach": {"pid": "integer"},
-    # From kiwi-hook (OCI createRuntime / poststop): a container, its names and, on
-    # Kubernetes, the device plugin's device IDs it was given.
-    "register": {
-        "id": "string",
-        "cgroup_v2": "string-or-null?",
-        "cgroup_v1_freezer": "string-or-null?",
-        "pid": "integer-or-null?",
-        "name": "string-or-null?",
-        "pod": "string-or-null?",
-        "namespace": "string-or-null?",
-        "gpus": "strings?",
-        "hold": "boolean?",
-        "device_ids": "strings?",
-    },
-    "unregister": {"id": "string"},
-}
+
+
+class Access(enum.Enum):
+    """Who may send a command, by the credentials the kernel reports for the peer."""
+
+    READ = "read"
+    """Everyone who can open the socket (mode 0666: every local user)."""
+    ADMIN = "admin"
+    """Root, or a member (primary or supplementary) of the admin group."""
+    ROOT = "root"
+    """Only uid 0."""
+
+
+class Kind(enum.Enum):
+    """The JSON type an argument must have; its value is the daemon's to judge."""
+
+    NUMBER = "number"
+    """An integer or a finite float (never a boolean)."""
+    INTEGER = "64-bit integer"
+    """An integer from -2**63 to 2**63 - 1 (never a boolean)."""
+    STRING = "string"
+    BOOLEAN = "boolean"
+    STRINGS = "list of strings"
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument of a command.
+
+    Attributes:
+        kind: Its JSON type.
+        required: Must be present.
+        nullable: ``null`` is accepted too.
+    """
+
+    kind: Kind
+    required: bool = True
+    nullable: bool = False
+
+    def accepts(self, value: Any) -> bool:
+        """Whether ``value`` (parsed JSON) has this argument's type."""
+        if value is None:
+            return self.nullable
+        if self.kind is Kind.BOOLEAN:
+            return isinstance(value, bool)
+        if self.kind is Kind.STRINGS:
+            return isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if self.kind is Kind.STRING:
+            return isinstance(value, str)
+        if isinstance(value, bool):
+            return False
+        if self.kind is Kind.INTEGER:
+            return isinstance(value, int) and value in _INT64
+        return isinstance(value, int | float)
+
+    @property
+    def type_name(self) -> str:
+        """The type in words, for messages: e.g. ``string or null``."""
+        return f"{self.kind.value} or null" if self.nullable else self.kind.value
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """What the server checks for one command before the daemon's handler sees it.
+
+    Attributes:
+        access: Who may send it.
+        args: Its arguments by name; any other argument is refused.
+        root_reason: For `Access.ROOT`: why, quoted to a refused peer.
+    """
+
+    access: Access
+    args: Mapping[str, Arg] = field(default_factory=lambda: MappingProxyType({}))
+    root_reason: str = ""
+
+
+def _args(**args: Arg) -> Mapping[str, Arg]:
+    return MappingProxyType(args)
+
+
+_STRING_OR_NULL = Arg(Kind.STRING, required=False, nullable=True)
+_INT64 = range(-(2**63), 2**63)  # Kind.INTEGER: what the daemon can hand to the kernel
+
+COMMANDS: Mapping[str, CommandSpec] = MappingProxyType(
+    {
+        "ping": CommandSpec(Access.READ),
+        "status": CommandSpec(Access.READ),
+        "tenants": CommandSpec(Access.READ),
+        "set-tq": CommandSpec(
+            Access.ADMIN,
+            _args(tq=Arg(Kind.NUMBER), gpu=Arg(Kind.STRING, required=False)),
+        ),
+        "set-mode": CommandSpec(Access.ADMIN, _args(mode=Arg(Kind.STRING))),
+        "set-weight": CommandSpec(
+            Access.ADMIN, _args(tenant=Arg(Kind.STRING), weight=Arg(Kind.NUMBER))
+        ),
+        "set-priority": CommandSpec(
+            Access.ADMIN, _args(tenant=Arg(Kind.STRING), priority=Arg(Kind.INTEGER))
+        ),
+        "sim-attach": CommandSpec(
+            Access.ADMIN,
+            _args(
+                pid=Arg(Kind.INTEGER),
+                gpu=Arg(Kind.INTEGER),
+                memory_bytes=Arg(Kind.INTEGER),
+                activity=Arg(Kind.STRING),
+            ),
+        ),
+        "sim-detach": CommandSpec(Access.ADMIN, _args(pid=Arg(Kind.INTEGER))),
+        # From kiwi-hook (OCI createRuntime / poststop): a container, its names and, on
+        # Kubernetes, the device plugin's device IDs it was given.
+        "register": CommandSpec(
+            Access.ROOT,
+            _args(
+                id=Arg(Kind.STRING),
+                cgroup_v2=_STRING_OR_NULL,
+                cgroup_v1_freezer=_STRING_OR_NULL,
+                pid=Arg(Kind.INTEGER, required=False, nullable=True),
+                name=_STRING_OR_NULL,
+                pod=_STRING_OR_NULL,
+                namespace=_STRING_OR_NULL,
+                gpus=Arg(Kind.STRINGS, required=False),
+                hold=Arg(Kind.BOOLEAN, required=False),
+                device_ids=Arg(Kind.STRINGS, required=False),
+            ),
+            root_reason="the container runtime runs kiwi-hook as root",
+        ),
+        "unregister": CommandSpec(
+            Access.ROOT,
+            _args(id=Arg(Kind.STRING)),
+            root_reason="the container runtime runs kiwi-hook as root",
+        ),
+    }
+)
+"""Every command: its arguments and who may send it. The daemon's handler table must
+name exactly these (`check_command_table`); docs/control-protocol.md describes them."""
+
+READ_COMMANDS = frozenset(c for c, spec in COMMANDS.items() if spec.access is Access.READ)
+ADMIN_COMMANDS = frozenset(c for c, spec in COMMANDS.items() if spec.access is Access.ADMIN)
+ROOT_COMMANDS = frozenset(c for c, spec in COMMANDS.items() if spec.access is Access.ROOT)
+
+
+class CommandTableMismatch(ValueError):
+    """A handler table that does not name exactly the commands of `COMMANDS`.
+
+    Attributes:
+        missing: Commands of the schema that it lacks.
+        unknown: Names it has that the schema does not.
+    """
+
+    def __init__(self, missing: frozenset[str], unknown: frozenset[str]) -> None:
+        parts = []
+        if missing:
+            parts.append(f"lacks {', '.join(sorted(missing))}")
+        if unknown:
+            parts.append(f"has commands the protocol does not: {', '.join(sorted(unknown))}")
+        super().__init__(f"the command table {'; '.join(parts)}")
+        self.missing = missing
+        self.unknown = unknown
+
+
+def check_command_table(handled: Iterable[str]) -> None:
+    """Check that a handler table covers exactly the commands of `COMMANDS`.
+
+    Args:
+        handled: The command names the daemon handles (e.g. its table's keys).
+
+    Raises:
+        CommandTableMismatch: Some are missing or unknown; the message names them.
+    """
+    names = frozenset(handled)
+    missing, unknown = frozenset(COMMANDS) - names, names - frozenset(COMMANDS)
+    if missing or unknown:
+        raise CommandTableMismatch(missing, unknown)
+
+
 _CLIENT_MAX_RESPONSE = 16 * 1024 * 1024  # bytes; a status of many GPUs stays far below
 MAX_DEPTH = 32  # levels of objects and arrays in a request, the request itself being 1
 MAX_INT_DIGITS = 64  # digits of an integer in a request; an int64 has 19
-_INT64 = range(-(2**63), 2**63)  # the "integer" kind: what the daemon can pass to the kernel
 
 
 class ControlError(Exception):
@@ -248,31 +393,19 @@ def _check_envelope(req: Any) -> tuple[str, dict[str, Any]]:
     return cmd, args
 
 
-def _kind_ok(kind: str, value: Any) -> bool:
-    if kind.endswith("-or-null"):
-        return value is None or _kind_ok(kind.removesuffix("-or-null"), value)
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "strings":
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
-    if kind == "integer":
-        return not isinstance(value, bool) and isinstance(value, int) and value in _INT64
-    return not isinstance(value, bool) and isinstance(value, _KINDS[kind])
-
-
 def _check_args(cmd: str, args: dict[str, Any]) -> None:
-    spec = _ARGS[cmd]
+    spec = COMMANDS[cmd].args
     extra = sorted(set(args) - set(spec))
     if extra:
         raise ControlError("bad-request", f"{cmd} takes no argument(s) {', '.join(extra)}")
-    for name, spec_kind in spec.items():
-        kind, value = spec_kind.rstrip("?"), args.get(name)
-        if name not in args and not spec_kind.endswith("?"):
-            raise ControlError("bad-request", f"{cmd} needs argument {name!r} ({kind})")
-        if name in args and not _kind_ok(kind, value):
-            what = kind.replace("-or-null", " or null").replace("strings", "list of strings")
-            what = what.replace("integer", "64-bit integer")
-            raise ControlError("bad-request", f"{cmd} argument {name!r} must be a {what}")
+    for name, arg in spec.items():
+        if name not in args:
+            if arg.required:
+                raise ControlError(
+                    "bad-request", f"{cmd} needs argument {name!r} ({arg.type_name})"
+                )
+        elif not arg.accepts(args[name]):
+            raise ControlError("bad-request", f"{cmd} argument {name!r} must be a {arg.type_name}")
 
 
 class ControlServer:
@@ -282,7 +415,7 @@ class ControlServer:
         path: Socket path; its directory is created (0755) if missing.
         handler: The daemon's ``(cmd, args, peer) -> result``, called only for valid,
             authorised requests; it raises `ControlError` to refuse.
-        admin_gid: Group allowed to use `ADMIN_COMMANDS` besides root; ``None``: root only.
+        admin_gid: Group allowed `Access.ADMIN` commands besides root; ``None``: root only.
         admin_group_name: That group's name, for error messages.
         max_line: Longest request line accepted, bytes without the newline.
         idle_timeout_s: Seconds a client may take to send a whole line, or to read
@@ -459,19 +592,29 @@ class ControlServer:
             cmd, args = _check_envelope(req)
             self._authorise(cmd, peer)
             _check_args(cmd, args)
-            if cmd in ADMIN_COMMANDS:
+            if COMMANDS[cmd].access is not Access.READ:
                 logger.info("uid %d (pid %d): %s %s", peer.uid, peer.pid, cmd, args)
             response = await self._call(cmd, args, peer, rid)
         except ControlError as exc:
             response = _error(rid, exc.code, exc.message)
         await self._send(writer, response)
 
+    def _is_admin(self, peer: Peer) -> bool:
+        """Root, or a member (primary or supplementary) of the admin group."""
+        admin_gid = self._admin_gid
+        return peer.uid == 0 or (admin_gid is not None and admin_gid in peer.groups | {peer.gid})
+
     def _authorise(self, cmd: str, peer: Peer) -> None:
-        if cmd not in ADMIN_COMMANDS or peer.uid == 0:
+        spec = COMMANDS[cmd]
+        if spec.access is Access.READ or peer.uid == 0:
             return
-        if self._admin_gid is not None and self._admin_gid in peer.groups | {peer.gid}:
+        if spec.access is Access.ADMIN and self._is_admin(peer):
             return
         logger.info("refused %s from uid %d (pid %d)", cmd, peer.uid, peer.pid)
+        if spec.access is Access.ROOT:
+            raise ControlError(
+                "forbidden", f"{cmd} needs root: {spec.root_reason} (you are uid {peer.uid})"
+            )
         if self._admin_gid is None:
             need = "root (no admin group is configured)"
         else:

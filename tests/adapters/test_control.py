@@ -23,15 +23,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 
 from kiwid.adapters.control import (
+    COMMANDS,
     ERROR_CODES,
     MAX_DEPTH,
     MAX_INT_DIGITS,
+    Access,
+    Arg,
+    CommandTableMismatch,
     ControlError,
     ControlServer,
     DaemonUnreachable,
     Handler,
+    Kind,
     Peer,
     SocketInUse,
+    check_command_table,
     peer_of,
     request,
 )
@@ -858,3 +864,100 @@ def test_socket_permission_denied_is_explained(sock_dir: Path, serve: Any) -> No
     answer = as_nobody(st.path, "ping")
     assert answer["code"] == "unreachable"
     assert f"permission denied on {st.path}" in answer["message"]
+
+
+@needs_root
+def test_register_and_unregister_need_root_even_for_the_admin_group(serve: Any) -> None:
+    daemon = FakeDaemon()
+    st = serve(daemon)
+    why = "needs root: the container runtime runs kiwi-hook as root (you are uid 65534)"
+    for cmd, args in [("register", {"id": "c1", "hold": True}), ("unregister", {"id": "c1"})]:
+        for groups in ([], [ADMIN_GID]):
+            refused = as_nobody(st.path, cmd, args, extra_groups=groups)
+            assert refused == {"ok": False, "code": "forbidden", "message": f"{cmd} {why}"}
+    assert daemon.calls == []  # the handler never saw them
+    with pytest.raises(ControlError) as err:  # we are root: through to the handler
+        request(st.path, "register", {"id": "c1"})
+    assert err.value.code == "internal"  # FakeDaemon knows no register
+    assert [c[0] for c in daemon.calls] == ["register"]
+
+
+@needs_root
+def test_set_weight_and_set_priority_are_for_the_admin_group(serve: Any) -> None:
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    async def handler(cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        calls.append((cmd, args))
+        return {}
+
+    st = serve(handler)
+    weight, priority = {"tenant": "pod:a", "weight": 2.5}, {"tenant": "pod:a", "priority": -3}
+    assert as_nobody(st.path, "set-weight", weight)["code"] == "forbidden"
+    assert as_nobody(st.path, "set-priority", priority)["code"] == "forbidden"
+    assert as_nobody(st.path, "set-weight", weight, extra_groups=[ADMIN_GID])["ok"] is True
+    assert as_nobody(st.path, "set-priority", priority, extra_groups=[ADMIN_GID])["ok"] is True
+    assert calls == [("set-weight", weight), ("set-priority", priority)]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ({"cmd": "set-weight", "args": {"tenant": "a"}}, "needs argument 'weight' (number)"),
+        ({"cmd": "set-weight", "args": {"tenant": 1, "weight": 1}}, "'tenant' must be a string"),
+        ({"cmd": "set-weight", "args": {"tenant": "a", "weight": "2"}}, "must be a number"),
+        ({"cmd": "set-priority", "args": {"tenant": "a", "priority": 1.5}}, "64-bit integer"),
+        ({"cmd": "set-priority", "args": {"tenant": "a", "priority": True}}, "64-bit integer"),
+        ({"cmd": "set-priority", "args": {"tenant": "a", "priority": 1, "x": 1}}, "argument(s) x"),
+    ],
+)
+def test_new_commands_check_their_argument_types(
+    serve: Any, raw: Any, args: dict[str, Any], fragment: str
+) -> None:
+    daemon = FakeDaemon()
+    answer = raw(serve(daemon).path).ask({"v": 1, **args})
+    assert answer["error"]["code"] == "bad-request"
+    assert fragment in answer["error"]["message"]
+    assert daemon.calls == []
+
+
+def test_the_command_table_is_public_and_typed() -> None:
+    levels = {name: spec.access for name, spec in COMMANDS.items()}
+    assert levels == {
+        **dict.fromkeys(["ping", "status", "tenants"], Access.READ),
+        **dict.fromkeys(["set-tq", "set-mode", "set-weight", "set-priority"], Access.ADMIN),
+        **dict.fromkeys(["sim-attach", "sim-detach"], Access.ADMIN),
+        **dict.fromkeys(["register", "unregister"], Access.ROOT),
+    }
+    assert COMMANDS["set-weight"].args == {"tenant": Arg(Kind.STRING), "weight": Arg(Kind.NUMBER)}
+    assert COMMANDS["set-priority"].args["priority"] == Arg(Kind.INTEGER)
+    assert COMMANDS["register"].args["pod"] == Arg(Kind.STRING, required=False, nullable=True)
+    with pytest.raises(TypeError):
+        COMMANDS["ping"] = COMMANDS["status"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        COMMANDS["set-tq"].args["x"] = Arg(Kind.STRING)  # type: ignore[index]
+
+
+def test_check_command_table_names_what_is_missing_and_what_is_unknown() -> None:
+    check_command_table(list(COMMANDS))
+    check_command_table(dict.fromkeys(COMMANDS).keys())
+    table = set(COMMANDS) - {"set-weight", "set-priority"} | {"reboot"}
+    with pytest.raises(CommandTableMismatch) as err:
+        check_command_table(table)
+    assert err.value.missing == {"set-weight", "set-priority"}
+    assert err.value.unknown == {"reboot"}
+    assert str(err.value) == (
+        "the command table lacks set-priority, set-weight; "
+        "has commands the protocol does not: reboot"
+    )
+
+
+def test_the_protocol_document_gives_every_command_its_level() -> None:
+    """Each command has a ### heading in docs/control-protocol.md, labelled (admin)/(root)."""
+    doc = (REPO / "docs" / "control-protocol.md").read_text()
+    headings = [line for line in doc.splitlines() if line.startswith("### ")]
+    for name, spec in COMMANDS.items():
+        mine = [h for h in headings if f"`{name}`" in h]
+        assert len(mine) == 1, name
+        label = "(root" if "(root" in mine[0] else "(admin" if "(admin" in mine[0] else None
+        expected = {Access.READ: None, Access.ADMIN: "(admin", Access.ROOT: "(root"}
+        assert label == expected[spec.access], mine[0]

@@ -10,6 +10,7 @@ described in ``docs/control-protocol.md``. Standard library only.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import json
@@ -209,6 +210,7 @@ def check_command_table(handled: Iterable[str]) -> None:
         raise CommandTableMismatch(missing, unknown)
 
 
+_REFUSAL_LOG_INTERVAL_S = 60.0  # one warning for a flood of refused connections
 _CLIENT_MAX_RESPONSE = 16 * 1024 * 1024  # bytes; a status of many GPUs stays far below
 MAX_DEPTH = 32  # levels of objects and arrays in a request, the request itself being 1
 MAX_INT_DIGITS = 64  # digits of an integer in a request; an int64 has 19
@@ -420,7 +422,13 @@ class ControlServer:
         max_line: Longest request line accepted, bytes without the newline.
         idle_timeout_s: Seconds a client may take to send a whole line, or to read
             an answer, before it is disconnected.
-        max_clients: Connections served at once; further ones get ``unavailable``.
+        max_clients: Connections served at once to everyone together; beyond it,
+            users other than root and the admin group get ``unavailable``.
+        max_clients_per_uid: Connections one uid other than root and the admin
+            group's members may hold at once.
+        reserved_clients: Connections beyond ``max_clients`` kept for root and the
+            admin group; and as many again kept for root alone, so that whoever
+            else holds every other slot, kiwictl run as root and kiwi-hook get in.
     """
 
     def __init__(
@@ -433,6 +441,8 @@ class ControlServer:
         max_line: int = 65536,
         idle_timeout_s: float = 30.0,
         max_clients: int = 256,
+        max_clients_per_uid: int = 16,
+        reserved_clients: int = 16,
     ) -> None:
         self.path = Path(path)
         self._handler = handler
@@ -441,9 +451,14 @@ class ControlServer:
         self._max_line = max_line
         self._idle_timeout_s = idle_timeout_s
         self._max_clients = max_clients
+        self._max_per_uid = max_clients_per_uid
+        self._reserved = reserved_clients
         self._server: asyncio.AbstractServer | None = None
         self._inode: tuple[int, int] | None = None
         self._clients: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._per_uid: collections.Counter[int] = collections.Counter()
+        self._refusal_logged_at = -math.inf  # loop time of the last refusal logged
+        self._refusals_unlogged = 0
 
     async def start(self) -> None:
         """Bind the socket (mode 0666; authorisation is per request) and start serving.
@@ -458,7 +473,7 @@ class ControlServer:
             parent.chmod(0o755)
         await self._remove_stale()
         self._server = await asyncio.start_unix_server(
-            self._serve, path=str(self.path), backlog=max(self._max_clients, 16)
+            self._serve, path=str(self.path), backlog=self._max_clients + 2 * self._reserved
         )
         self.path.chmod(0o666)
         st = self.path.stat()
@@ -509,25 +524,26 @@ class ControlServer:
         self._inode = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._clients) >= self._max_clients:
-            logger.warning("refusing a control client: %d already connected", len(self._clients))
-            msg = f"kiwid already serves {self._max_clients} control clients; try again later"
-            writer.write(_encode(_error(None, "unavailable", msg)))
+        peer = peer_of(writer.get_extra_info("socket"))
+        if refusal := self._admission(peer):
+            self._log_refusal(peer, refusal)
+            writer.write(_encode(_error(None, "unavailable", refusal)))
             writer.close()
             return
         task = asyncio.current_task()
         assert task is not None  # always: the stream protocol runs us in a task
         self._clients[task] = writer
-        peer = None
+        self._per_uid[peer.uid] += 1
         try:
-            peer = peer_of(writer.get_extra_info("socket"))
             await self._session(reader, writer, peer)
         except ConnectionError:
             writer.transport.abort()  # it went away mid-answer
         except TimeoutError:  # only writes time out here: it does not read its answers
-            who = f"uid {peer.uid} pid {peer.pid}" if peer else "?"
             logger.warning(
-                "dropping control client %s: answers unread for %gs", who, self._idle_timeout_s
+                "dropping control client uid %d pid %d: answers unread for %gs",
+                peer.uid,
+                peer.pid,
+                self._idle_timeout_s,
             )
             writer.transport.abort()
         except Exception:
@@ -536,12 +552,61 @@ class ControlServer:
             logger.exception("control connection failed")
         finally:
             self._clients.pop(task, None)
+            self._per_uid[peer.uid] -= 1
+            if not self._per_uid[peer.uid]:
+                del self._per_uid[peer.uid]
             writer.close()
             try:
                 async with asyncio.timeout(self._idle_timeout_s):
                     await writer.wait_closed()
             except (OSError, TimeoutError):
                 writer.transport.abort()
+
+    def _admission(self, peer: Peer) -> str | None:
+        """Why ``peer`` may not open another connection now, or None if it may."""
+        total, mine = len(self._clients), self._per_uid[peer.uid]
+        ceiling = self._max_clients + self._reserved
+        if peer.uid == 0:
+            if total < ceiling or mine < self._reserved:
+                return None
+            return (
+                f"kiwid already serves {total} control clients, {mine} of them root's; "
+                "try again later"
+            )
+        privileged = "root"
+        if self._admin_gid is not None:
+            privileged += f" and group {self._admin_group_name!r}"
+        if self._is_admin(peer):
+            if total < ceiling:
+                return None
+            return (
+                f"kiwid already serves {total} control clients, the most it takes "
+                f"({self._max_clients}, and {self._reserved} kept for {privileged}); "
+                "try again later"
+            )
+        if mine >= self._max_per_uid:
+            return (
+                f"uid {peer.uid} already holds {mine} control connections, the most one "
+                "user may; close one and try again"
+            )
+        if total >= self._max_clients:
+            return (
+                f"kiwid already serves {total} control clients, the most it takes from "
+                f"users other than {privileged}; try again later"
+            )
+        return None
+
+    def _log_refusal(self, peer: Peer, refusal: str) -> None:
+        """Log a refused connection, at most once a minute: a refused client may retry at will."""
+        now = asyncio.get_running_loop().time()
+        if now - self._refusal_logged_at < _REFUSAL_LOG_INTERVAL_S:
+            self._refusals_unlogged += 1
+            return
+        more = f" ({self._refusals_unlogged} more refused since)" if self._refusals_unlogged else ""
+        logger.warning(
+            "refused a control client, uid %d pid %d: %s%s", peer.uid, peer.pid, refusal, more
+        )
+        self._refusal_logged_at, self._refusals_unlogged = now, 0
 
     async def _session(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,8 @@ class FakeDaemon:
         if cmd == "set-mode":
             gpu["mode"] = gpu["mode_configured"] if args["mode"] == "on" else args["mode"]
             return {"mode": gpu["mode"], "gpus": ["0"]}
+        if cmd == "register":
+            return {"tenant": f"container:{args['id']}", "held": False}
         if cmd == "sim-attach":
             return {"not-json": {1, 2}}  # a handler bug: the result cannot be encoded
         raise RuntimeError("simulated handler bug")  # sim-detach
@@ -615,7 +617,7 @@ def test_hundred_concurrent_clients(serve: Any, raw: Any) -> None:
 
 
 def test_clients_beyond_max_clients_are_refused_not_queued(serve: Any, raw: Any) -> None:
-    st = serve(max_clients=3)
+    st = serve(max_clients=3, reserved_clients=0)  # nothing kept for root, which we are
     held = [raw(st.path) for _ in range(3)]
     for c in held:  # an answer proves the server counts this connection
         assert c.ask({"v": 1, "cmd": "ping"})["ok"] is True
@@ -876,10 +878,7 @@ def test_register_and_unregister_need_root_even_for_the_admin_group(serve: Any) 
             refused = as_nobody(st.path, cmd, args, extra_groups=groups)
             assert refused == {"ok": False, "code": "forbidden", "message": f"{cmd} {why}"}
     assert daemon.calls == []  # the handler never saw them
-    with pytest.raises(ControlError) as err:  # we are root: through to the handler
-        request(st.path, "register", {"id": "c1"})
-    assert err.value.code == "internal"  # FakeDaemon knows no register
-    assert [c[0] for c in daemon.calls] == ["register"]
+    assert request(st.path, "register", {"id": "c1"})["tenant"] == "container:c1"  # we are root
 
 
 @needs_root
@@ -961,3 +960,175 @@ def test_the_protocol_document_gives_every_command_its_level() -> None:
         label = "(root" if "(root" in mine[0] else "(admin" if "(admin" in mine[0] else None
         expected = {Access.READ: None, Access.ADMIN: "(admin", Access.ROOT: "(root"}
         assert label == expected[spec.access], mine[0]
+
+
+# ---- connection limits per uid, with a real second (and third) uid ---------------------
+
+# Socket code only, so that uid nobody needs nothing from the checkout. It opens
+# argv[2] connections one after the other, sends a ping on each and prints the
+# answer (null at end of stream), then "holding", and keeps those accepted open
+# until its stdin ends. Each line "swap" on stdin hands the oldest connection back (it waits
+# for kiwid's end of it to close, by then its slot is free) and opens another.
+HOLDER = """
+import json, socket, sys
+
+def open_one(i):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(sys.argv[1])
+    try:
+        s.sendall(b'{"v": 1, "id": %d, "cmd": "ping"}\\n' % i)
+    except OSError:
+        pass  # refused, and closed already: its answer says why
+    data = b""
+    while not data.endswith(b"\\n"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    answer = json.loads(data) if data else None
+    print(json.dumps(answer), flush=True)
+    if answer and answer["ok"]:
+        held.append(s)
+    else:
+        s.close()
+
+held = []
+for i in range(int(sys.argv[2])):
+    open_one(i)
+print("holding", flush=True)
+for _ in sys.stdin:
+    old = held.pop(0)
+    old.shutdown(socket.SHUT_WR)
+    while old.recv(65536):
+        pass
+    old.close()
+    open_one(-1)
+"""
+
+
+class Holder:
+    """A process of another uid holding control connections open until `release`."""
+
+    def __init__(self, path: Path, count: int, uid: int, groups: list[int]) -> None:
+        self.proc = subprocess.Popen(
+            [nobody_python(), "-I", "-c", HOLDER, str(path), str(count)],
+            user=uid,
+            group=NOBODY,
+            extra_groups=groups,
+            cwd="/",
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        lines = [self.stdout.readline() for _ in range(count + 1)]
+        if lines[-1] != "holding\n":
+            self.release()
+            pytest.fail(f"the holder failed after {lines}")
+        self.answers: list[dict[str, Any] | None] = [json.loads(x) for x in lines[:-1]]
+
+    def accepted(self) -> int:
+        return sum(1 for a in self.answers if a and a["ok"])
+
+    def refusals(self) -> list[str]:
+        """The messages of the refused connections (each answered unavailable, id null)."""
+        refused = [a for a in self.answers if not (a and a["ok"])]
+        assert all(a and (a["id"], a["error"]["code"]) == (None, "unavailable") for a in refused)
+        return [a["error"]["message"] for a in refused if a]
+
+    def swap(self) -> dict[str, Any] | None:
+        """Hand the oldest connection back, open another: the new one's answer."""
+        self.stdin.write("swap\n")
+        self.stdin.flush()
+        answer: dict[str, Any] | None = json.loads(self.stdout.readline())
+        return answer
+
+    def release(self) -> None:
+        """Close its stdin: it exits, closing its connections; wait for that."""
+        self.stdin.close()
+        self.proc.wait(30)
+        self.stdout.close()
+
+
+@pytest.fixture
+def hold() -> Iterator[Callable[..., Holder]]:
+    holders: list[Holder] = []
+
+    def start(path: Path, count: int, uid: int = NOBODY, groups: Iterable[int] = ()) -> Holder:
+        holders.append(Holder(path, count, uid, list(groups)))
+        return holders[-1]
+
+    yield start
+    for h in holders:
+        h.release()
+
+
+@needs_root
+def test_a_user_holding_every_connection_cannot_lock_out_root(
+    serve: Any, raw: Any, hold: Any
+) -> None:
+    """The attack: one local user opens max_clients connections and keeps them busy."""
+    st = serve(max_clients=8)
+    with LogEvent("refused a control client, uid 65534") as logged:
+        greedy = hold(st.path, 12)
+    assert greedy.accepted() == 8  # the per-uid limit (16) is above max_clients here
+    assert all("8 control clients" in m for m in greedy.refusals())
+    assert request(st.path, "ping") == {"version": "0.1.0"}  # root, as kiwictl
+    assert request(st.path, "register", {"id": "c1"})["tenant"] == "container:c1"  # kiwi-hook
+    roots = [raw(st.path) for _ in range(4)]  # several at once, as in a burst of containers
+    assert all(r.ask({"v": 1, "cmd": "ping"})["ok"] for r in roots)
+    assert logged.is_set()  # logged before the refusal was answered
+
+
+@needs_root
+def test_an_ordinary_uid_holds_at_most_max_clients_per_uid(serve: Any, hold: Any) -> None:
+    st = serve(max_clients_per_uid=3)
+    greedy = hold(st.path, 5)
+    assert greedy.accepted() == 3
+    refusals = greedy.refusals()
+    assert len(refusals) == 2
+    assert refusals[0] == (
+        "uid 65534 already holds 3 control connections, the most one user may; "
+        "close one and try again"
+    )
+    other = hold(st.path, 3, uid=NOBODY - 1)  # another user is not affected
+    assert other.accepted() == 3
+    admin = hold(st.path, 5, uid=NOBODY - 2, groups=[ADMIN_GID])  # no cap per uid for it
+    assert admin.accepted() == 5
+    for _ in range(5):  # a slot handed back is free again for the same uid
+        answer = greedy.swap()
+        assert answer is not None
+        assert answer["ok"] is True
+
+
+@needs_root
+def test_slots_beyond_max_clients_are_kept_for_root_and_the_admin_group(
+    serve: Any, raw: Any, hold: Any
+) -> None:
+    st = serve(max_clients=4, max_clients_per_uid=4, reserved_clients=2)
+    assert hold(st.path, 4).accepted() == 4  # the general pool is full
+    late = hold(st.path, 1, uid=NOBODY - 1)
+    assert late.accepted() == 0
+    assert late.refusals() == [
+        "kiwid already serves 4 control clients, the most it takes from users other than "
+        "root and group 'kiwi'; try again later"
+    ]
+    admin = hold(st.path, 3, uid=NOBODY - 1, groups=[ADMIN_GID])
+    assert admin.accepted() == 2  # the reserve, then full even for the admin group
+    assert admin.refusals() == [
+        "kiwid already serves 6 control clients, the most it takes (4, and 2 kept for root "
+        "and group 'kiwi'); try again later"
+    ]
+    for _ in range(2):  # root keeps 2 of its own beyond all that
+        assert raw(st.path).ask({"v": 1, "cmd": "ping"})["ok"] is True
+    third = raw(st.path)
+    refused = third.recv()
+    assert refused is not None
+    assert (refused["id"], refused["error"]["code"]) == (None, "unavailable")
+    assert refused["error"]["message"] == (
+        "kiwid already serves 8 control clients, 2 of them root's; try again later"
+    )
+    assert third.recv() is None

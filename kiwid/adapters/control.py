@@ -2,9 +2,11 @@
 
 The daemon owns the meaning of each command (it supplies a `Handler`); this module
 owns everything a hostile or clumsy local client could do to it: framing, size
-limits, idle and slow clients, too many clients, the envelope, argument types and
-authorisation by the peer's credentials (``SO_PEERCRED``). The wire format is
-described in ``docs/control-protocol.md``. Standard library only.
+limits, text that is not Unicode, idle and slow clients, connection limits per uid,
+the envelope, argument types and authorisation by the peer's credentials
+(``SO_PEERCRED``), the last two from one table, `COMMANDS`, which the daemon's
+handlers must match (`check_command_table`). The wire format is described in
+``docs/control-protocol.md``. Standard library only.
 """
 
 from __future__ import annotations
@@ -335,7 +337,7 @@ def _text_problem(text: str) -> str | None:
 
 
 def _refusal(value: Any, path: str = "", depth: int = 1) -> str | None:
-    """The first string or key in ``value`` that kiwid refuses, as a sentence; or None.
+    """The first string or key kiwid refuses in ``value``, or nesting too deep; or None.
 
     Walks without recursion, in document order, so that no nesting the JSON parser
     accepted can exhaust the stack here. ``path`` names ``value`` (``""``: the request).

@@ -2,15 +2,19 @@
 
 The daemon owns the meaning of each command (it supplies a `Handler`); this module
 owns everything a hostile or clumsy local client could do to it: framing, size
-limits, idle and slow clients, too many clients, the envelope, argument types and
-authorisation by the peer's credentials (``SO_PEERCRED``). The wire format is
-described in ``docs/control-protocol.md``. Standard library only.
+limits, text that is not Unicode, idle and slow clients, connection limits per uid,
+the envelope, argument types and authorisation by the peer's credentials
+(``SO_PEERCRED``), the last two from one table, `COMMANDS`, which the daemon's
+handlers must match (`check_command_table`). The wire format is described in
+``docs/control-protocol.md``. Standard library only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import enum
 import json
 import logging
 import math
@@ -18,9 +22,10 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 logger = logging.getLogger("kiwid.control")
@@ -30,40 +35,187 @@ ERROR_CODES = frozenset(
     {"bad-request", "too-large", "unknown-command", "forbidden", "invalid-value"}
     | {"unavailable", "internal"}
 )
-READ_COMMANDS = frozenset({"ping", "status", "tenants"})
-ADMIN_COMMANDS = frozenset(
-    {"set-tq", "set-mode", "sim-attach", "sim-detach", "register", "unregister"}
-)
-COMMANDS = READ_COMMANDS | ADMIN_COMMANDS
-
 _ENVELOPE = ("v", "id", "cmd", "args")
-_KINDS: dict[str, tuple[type, ...]] = {"number": (int, float), "integer": (int,), "string": (str,)}
-# cmd -> {argument: kind}, "?" marking an optional one. Only types are checked here;
-# values (ranges, mode names, GPU ids) are the daemon's to judge, as invalid-value.
-_ARGS: dict[str, dict[str, str]] = {
-    **{cmd: {} for cmd in READ_COMMANDS},
-    "set-tq": {"tq": "number", "gpu": "string?"},
-    "set-mode": {"mode": "string"},
-    "sim-attach": {"pid": "integer", "gpu": "integer", "memory_bytes": "integer"}
-    | {"activity": "string"},
-    "sim-detach": {"pid": "integer"},
-    # From kiwi-hook (OCI createRuntime / poststop): a container, its names and, on
-    # Kubernetes, the device plugin's device IDs it was given.
-    "register": {
-        "id": "string",
-        "cgroup_v2": "string-or-null?",
-        "cgroup_v1_freezer": "string-or-null?",
-        "pid": "integer-or-null?",
-        "name": "string-or-null?",
-        "pod": "string-or-null?",
-        "namespace": "string-or-null?",
-        "gpus": "strings?",
-        "hold": "boolean?",
-        "device_ids": "strings?",
-    },
-    "unregister": {"id": "string"},
-}
+
+
+class Access(enum.Enum):
+    """Who may send a command, by the credentials the kernel reports for the peer."""
+
+    READ = "read"
+    """Everyone who can open the socket (mode 0666: every local user)."""
+    ADMIN = "admin"
+    """Root, or a member (primary or supplementary) of the admin group."""
+    ROOT = "root"
+    """Only uid 0."""
+
+
+class Kind(enum.Enum):
+    """The JSON type an argument must have; its value is the daemon's to judge."""
+
+    NUMBER = "number"
+    """An integer or a finite float (never a boolean)."""
+    INTEGER = "64-bit integer"
+    """An integer from -2**63 to 2**63 - 1 (never a boolean)."""
+    STRING = "string"
+    BOOLEAN = "boolean"
+    STRINGS = "list of strings"
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument of a command.
+
+    Attributes:
+        kind: Its JSON type.
+        required: Must be present.
+        nullable: ``null`` is accepted too.
+    """
+
+    kind: Kind
+    required: bool = True
+    nullable: bool = False
+
+    def accepts(self, value: Any) -> bool:
+        """Whether ``value`` (parsed JSON) has this argument's type."""
+        if value is None:
+            return self.nullable
+        if self.kind is Kind.BOOLEAN:
+            return isinstance(value, bool)
+        if self.kind is Kind.STRINGS:
+            return isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if self.kind is Kind.STRING:
+            return isinstance(value, str)
+        if isinstance(value, bool):
+            return False
+        if self.kind is Kind.INTEGER:
+            return isinstance(value, int) and value in _INT64
+        return isinstance(value, int | float)
+
+    @property
+    def type_name(self) -> str:
+        """The type in words, for messages: e.g. ``string or null``."""
+        return f"{self.kind.value} or null" if self.nullable else self.kind.value
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """What the server checks for one command before the daemon's handler sees it.
+
+    Attributes:
+        access: Who may send it.
+        args: Its arguments by name; any other argument is refused.
+        root_reason: For `Access.ROOT`: why, quoted to a refused peer.
+    """
+
+    access: Access
+    args: Mapping[str, Arg] = field(default_factory=lambda: MappingProxyType({}))
+    root_reason: str = ""
+
+
+def _args(**args: Arg) -> Mapping[str, Arg]:
+    return MappingProxyType(args)
+
+
+_STRING_OR_NULL = Arg(Kind.STRING, required=False, nullable=True)
+_INT64 = range(-(2**63), 2**63)  # Kind.INTEGER: what the daemon can hand to the kernel
+
+COMMANDS: Mapping[str, CommandSpec] = MappingProxyType(
+    {
+        "ping": CommandSpec(Access.READ),
+        "status": CommandSpec(Access.READ),
+        "tenants": CommandSpec(Access.READ),
+        "set-tq": CommandSpec(
+            Access.ADMIN,
+            _args(tq=Arg(Kind.NUMBER), gpu=Arg(Kind.STRING, required=False)),
+        ),
+        "set-mode": CommandSpec(Access.ADMIN, _args(mode=Arg(Kind.STRING))),
+        "set-weight": CommandSpec(
+            Access.ADMIN, _args(tenant=Arg(Kind.STRING), weight=Arg(Kind.NUMBER))
+        ),
+        "set-priority": CommandSpec(
+            Access.ADMIN, _args(tenant=Arg(Kind.STRING), priority=Arg(Kind.INTEGER))
+        ),
+        "sim-attach": CommandSpec(
+            Access.ADMIN,
+            _args(
+                pid=Arg(Kind.INTEGER),
+                gpu=Arg(Kind.INTEGER),
+                memory_bytes=Arg(Kind.INTEGER),
+                activity=Arg(Kind.STRING),
+            ),
+        ),
+        "sim-detach": CommandSpec(Access.ADMIN, _args(pid=Arg(Kind.INTEGER))),
+        # From kiwi-hook (OCI createRuntime / poststop): a container, its names and, on
+        # Kubernetes, the device plugin's device IDs it was given.
+        "register": CommandSpec(
+            Access.ROOT,
+            _args(
+                id=Arg(Kind.STRING),
+                cgroup_v2=_STRING_OR_NULL,
+                cgroup_v1_freezer=_STRING_OR_NULL,
+                pid=Arg(Kind.INTEGER, required=False, nullable=True),
+                name=_STRING_OR_NULL,
+                pod=_STRING_OR_NULL,
+                namespace=_STRING_OR_NULL,
+                gpus=Arg(Kind.STRINGS, required=False),
+                hold=Arg(Kind.BOOLEAN, required=False),
+                device_ids=Arg(Kind.STRINGS, required=False),
+            ),
+            root_reason="the container runtime runs kiwi-hook as root",
+        ),
+        "unregister": CommandSpec(
+            Access.ROOT,
+            _args(id=Arg(Kind.STRING)),
+            root_reason="the container runtime runs kiwi-hook as root",
+        ),
+    }
+)
+"""Every command: its arguments and who may send it. The daemon's handler table must
+name exactly these (`check_command_table`); docs/control-protocol.md describes them."""
+
+READ_COMMANDS = frozenset(c for c, spec in COMMANDS.items() if spec.access is Access.READ)
+ADMIN_COMMANDS = frozenset(c for c, spec in COMMANDS.items() if spec.access is Access.ADMIN)
+ROOT_COMMANDS = frozenset(c for c, spec in COMMANDS.items() if spec.access is Access.ROOT)
+
+
+class CommandTableMismatch(ValueError):
+    """A handler table that does not name exactly the commands of `COMMANDS`.
+
+    Attributes:
+        missing: Commands of the schema that it lacks.
+        unknown: Names it has that the schema does not.
+    """
+
+    def __init__(self, missing: frozenset[str], unknown: frozenset[str]) -> None:
+        parts = []
+        if missing:
+            parts.append(f"lacks {', '.join(sorted(missing))}")
+        if unknown:
+            parts.append(f"has commands the protocol does not: {', '.join(sorted(unknown))}")
+        super().__init__(f"the command table {'; '.join(parts)}")
+        self.missing = missing
+        self.unknown = unknown
+
+
+def check_command_table(handled: Iterable[str]) -> None:
+    """Check that a handler table covers exactly the commands of `COMMANDS`.
+
+    Args:
+        handled: The command names the daemon handles (e.g. its table's keys).
+
+    Raises:
+        CommandTableMismatch: Some are missing or unknown; the message names them.
+    """
+    names = frozenset(handled)
+    missing, unknown = frozenset(COMMANDS) - names, names - frozenset(COMMANDS)
+    if missing or unknown:
+        raise CommandTableMismatch(missing, unknown)
+
+
+_REFUSAL_LOG_INTERVAL_S = 60.0  # one warning for a flood of refused connections
 _CLIENT_MAX_RESPONSE = 16 * 1024 * 1024  # bytes; a status of many GPUs stays far below
+MAX_DEPTH = 32  # levels of objects and arrays in a request, the request itself being 1
+MAX_INT_DIGITS = 64  # digits of an integer in a request; an int64 has 19
 
 
 class ControlError(Exception):
@@ -150,15 +302,64 @@ def _reject_constant(name: str) -> Any:
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"number {text} is out of range")
+        shown = text if len(text) <= 24 else f"{text[:20]}...({len(text)} characters)"
+        raise ValueError(f"number {shown} is out of range")
     return value
+
+
+def _bounded_int(text: str) -> int:
+    # Our own limit, below Python's (4300 digits, whose message names a Python call).
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {digits} digits; kiwid reads at most {MAX_INT_DIGITS}")
+    return int(text)
 
 
 def _decode(line: bytes) -> Any:
     """Parse one request line strictly (UTF-8, no NaN/Infinity, finite numbers)."""
     return json.loads(
-        line.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float
+        line.decode("utf-8"),
+        parse_constant=_reject_constant,
+        parse_float=_finite_float,
+        parse_int=_bounded_int,
     )
+
+
+def _text_problem(text: str) -> str | None:
+    """Why kiwid refuses this string (a lone surrogate cannot be encoded, NUL), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"is not valid Unicode: it holds a lone surrogate U+{ord(text[exc.start]):04X}"
+    if "\0" in text:  # no name, id or path has one; many C and kernel interfaces stop at it
+        return "contains a NUL character (U+0000)"
+    return None
+
+
+def _refusal(value: Any, path: str = "", depth: int = 1) -> str | None:
+    """The first string or key kiwid refuses in ``value``, or nesting too deep; or None.
+
+    Walks without recursion, in document order, so that no nesting the JSON parser
+    accepted can exhaust the stack here. ``path`` names ``value`` (``""``: the request).
+    """
+    stack = [(value, path, depth)]
+    while stack:
+        item, where, level = stack.pop()
+        if isinstance(item, str):
+            if problem := _text_problem(item):
+                return f"the string at {where} {problem}" if where else f"the request {problem}"
+        elif isinstance(item, dict | list):
+            if level > MAX_DEPTH:
+                return f"{where or 'the request'} is nested deeper than {MAX_DEPTH} levels"
+            if isinstance(item, list):
+                named = [(f"{where}[{i}]", v) for i, v in enumerate(item)]
+            else:
+                for key in item:
+                    if problem := _text_problem(key):
+                        return f"a key of {where or 'the request'} {problem}"
+                named = [(f"{where}.{k}" if where else k, v) for k, v in item.items()]
+            stack.extend((v, name, level + 1) for name, v in reversed(named))
+    return None
 
 
 def _encode(message: dict[str, Any]) -> bytes:
@@ -172,6 +373,8 @@ def _error(rid: Any, code: str, message: str) -> dict[str, Any]:
 
 def _check_envelope(req: Any) -> tuple[str, dict[str, Any]]:
     """Validate a parsed request; return ``(cmd, args)`` or raise `ControlError`."""
+    if problem := _refusal(req):  # first: no message below may quote such a string
+        raise ControlError("bad-request", f"request refused: {problem}")
     if not isinstance(req, dict):
         raise ControlError("bad-request", "a request must be a JSON object")
     extra = sorted(set(req) - set(_ENVELOPE))
@@ -194,28 +397,19 @@ def _check_envelope(req: Any) -> tuple[str, dict[str, Any]]:
     return cmd, args
 
 
-def _kind_ok(kind: str, value: Any) -> bool:
-    if kind.endswith("-or-null"):
-        return value is None or _kind_ok(kind.removesuffix("-or-null"), value)
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "strings":
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
-    return not isinstance(value, bool) and isinstance(value, _KINDS[kind])
-
-
 def _check_args(cmd: str, args: dict[str, Any]) -> None:
-    spec = _ARGS[cmd]
+    spec = COMMANDS[cmd].args
     extra = sorted(set(args) - set(spec))
     if extra:
         raise ControlError("bad-request", f"{cmd} takes no argument(s) {', '.join(extra)}")
-    for name, spec_kind in spec.items():
-        kind, value = spec_kind.rstrip("?"), args.get(name)
-        if name not in args and not spec_kind.endswith("?"):
-            raise ControlError("bad-request", f"{cmd} needs argument {name!r} ({kind})")
-        if name in args and not _kind_ok(kind, value):
-            what = kind.replace("-or-null", " or null").replace("strings", "list of strings")
-            raise ControlError("bad-request", f"{cmd} argument {name!r} must be a {what}")
+    for name, arg in spec.items():
+        if name not in args:
+            if arg.required:
+                raise ControlError(
+                    "bad-request", f"{cmd} needs argument {name!r} ({arg.type_name})"
+                )
+        elif not arg.accepts(args[name]):
+            raise ControlError("bad-request", f"{cmd} argument {name!r} must be a {arg.type_name}")
 
 
 class ControlServer:
@@ -225,12 +419,18 @@ class ControlServer:
         path: Socket path; its directory is created (0755) if missing.
         handler: The daemon's ``(cmd, args, peer) -> result``, called only for valid,
             authorised requests; it raises `ControlError` to refuse.
-        admin_gid: Group allowed to use `ADMIN_COMMANDS` besides root; ``None``: root only.
+        admin_gid: Group allowed `Access.ADMIN` commands besides root; ``None``: root only.
         admin_group_name: That group's name, for error messages.
         max_line: Longest request line accepted, bytes without the newline.
         idle_timeout_s: Seconds a client may take to send a whole line, or to read
             an answer, before it is disconnected.
-        max_clients: Connections served at once; further ones get ``unavailable``.
+        max_clients: Connections served at once to everyone together; beyond it,
+            users other than root and the admin group get ``unavailable``.
+        max_clients_per_uid: Connections one uid other than root and the admin
+            group's members may hold at once.
+        reserved_clients: Connections beyond ``max_clients`` kept for root and the
+            admin group; and as many again kept for root alone, so that whoever
+            else holds every other slot, kiwictl run as root and kiwi-hook get in.
     """
 
     def __init__(
@@ -243,6 +443,8 @@ class ControlServer:
         max_line: int = 65536,
         idle_timeout_s: float = 30.0,
         max_clients: int = 256,
+        max_clients_per_uid: int = 16,
+        reserved_clients: int = 16,
     ) -> None:
         self.path = Path(path)
         self._handler = handler
@@ -251,9 +453,14 @@ class ControlServer:
         self._max_line = max_line
         self._idle_timeout_s = idle_timeout_s
         self._max_clients = max_clients
+        self._max_per_uid = max_clients_per_uid
+        self._reserved = reserved_clients
         self._server: asyncio.AbstractServer | None = None
         self._inode: tuple[int, int] | None = None
         self._clients: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._per_uid: collections.Counter[int] = collections.Counter()
+        self._refusal_logged_at = -math.inf  # loop time of the last refusal logged
+        self._refusals_unlogged = 0
 
     async def start(self) -> None:
         """Bind the socket (mode 0666; authorisation is per request) and start serving.
@@ -268,7 +475,7 @@ class ControlServer:
             parent.chmod(0o755)
         await self._remove_stale()
         self._server = await asyncio.start_unix_server(
-            self._serve, path=str(self.path), backlog=max(self._max_clients, 16)
+            self._serve, path=str(self.path), backlog=self._max_clients + 2 * self._reserved
         )
         self.path.chmod(0o666)
         st = self.path.stat()
@@ -319,38 +526,89 @@ class ControlServer:
         self._inode = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._clients) >= self._max_clients:
-            logger.warning("refusing a control client: %d already connected", len(self._clients))
-            msg = f"kiwid already serves {self._max_clients} control clients; try again later"
-            writer.write(_encode(_error(None, "unavailable", msg)))
+        peer = peer_of(writer.get_extra_info("socket"))
+        if refusal := self._admission(peer):
+            self._log_refusal(peer, refusal)
+            writer.write(_encode(_error(None, "unavailable", refusal)))
             writer.close()
             return
         task = asyncio.current_task()
         assert task is not None  # always: the stream protocol runs us in a task
         self._clients[task] = writer
-        peer = None
+        self._per_uid[peer.uid] += 1
         try:
-            peer = peer_of(writer.get_extra_info("socket"))
             await self._session(reader, writer, peer)
         except ConnectionError:
             writer.transport.abort()  # it went away mid-answer
         except TimeoutError:  # only writes time out here: it does not read its answers
-            who = f"uid {peer.uid} pid {peer.pid}" if peer else "?"
             logger.warning(
-                "dropping control client %s: answers unread for %gs", who, self._idle_timeout_s
+                "dropping control client uid %d pid %d: answers unread for %gs",
+                peer.uid,
+                peer.pid,
+                self._idle_timeout_s,
             )
             writer.transport.abort()
         except Exception:
+            # A bug: log it, and close gently below so that answers already queued
+            # on this connection still reach the client.
             logger.exception("control connection failed")
-            writer.transport.abort()
         finally:
             self._clients.pop(task, None)
+            self._per_uid[peer.uid] -= 1
+            if not self._per_uid[peer.uid]:
+                del self._per_uid[peer.uid]
             writer.close()
             try:
                 async with asyncio.timeout(self._idle_timeout_s):
                     await writer.wait_closed()
             except (OSError, TimeoutError):
                 writer.transport.abort()
+
+    def _admission(self, peer: Peer) -> str | None:
+        """Why ``peer`` may not open another connection now, or None if it may."""
+        total, mine = len(self._clients), self._per_uid[peer.uid]
+        ceiling = self._max_clients + self._reserved
+        if peer.uid == 0:
+            if total < ceiling or mine < self._reserved:
+                return None
+            return (
+                f"kiwid already serves {total} control clients, {mine} of them root's; "
+                "try again later"
+            )
+        privileged = "root"
+        if self._admin_gid is not None:
+            privileged += f" and group {self._admin_group_name!r}"
+        if self._is_admin(peer):
+            if total < ceiling:
+                return None
+            return (
+                f"kiwid already serves {total} control clients, the most it takes "
+                f"({self._max_clients}, and {self._reserved} kept for {privileged}); "
+                "try again later"
+            )
+        if mine >= self._max_per_uid:
+            return (
+                f"uid {peer.uid} already holds {mine} control connections, the most one "
+                "user may; close one and try again"
+            )
+        if total >= self._max_clients:
+            return (
+                f"kiwid already serves {total} control clients, the most it takes from "
+                f"users other than {privileged}; try again later"
+            )
+        return None
+
+    def _log_refusal(self, peer: Peer, refusal: str) -> None:
+        """Log a refused connection, at most once a minute: a refused client may retry at will."""
+        now = asyncio.get_running_loop().time()
+        if now - self._refusal_logged_at < _REFUSAL_LOG_INTERVAL_S:
+            self._refusals_unlogged += 1
+            return
+        more = f" ({self._refusals_unlogged} more refused since)" if self._refusals_unlogged else ""
+        logger.warning(
+            "refused a control client, uid %d pid %d: %s%s", peer.uid, peer.pid, refusal, more
+        )
+        self._refusal_logged_at, self._refusals_unlogged = now, 0
 
     async def _session(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
@@ -396,24 +654,34 @@ class ControlServer:
                 req = _decode(line)
             except (ValueError, RecursionError) as exc:
                 raise ControlError("bad-request", f"request is not valid JSON: {exc}") from None
-            if isinstance(req, dict):
-                rid = req.get("id")
+            if isinstance(req, dict) and not _refusal(req.get("id"), "id", 2):
+                rid = req.get("id")  # echoed only if it can be: else the answer's id is null
             cmd, args = _check_envelope(req)
             self._authorise(cmd, peer)
             _check_args(cmd, args)
-            if cmd in ADMIN_COMMANDS:
+            if COMMANDS[cmd].access is not Access.READ:
                 logger.info("uid %d (pid %d): %s %s", peer.uid, peer.pid, cmd, args)
             response = await self._call(cmd, args, peer, rid)
         except ControlError as exc:
             response = _error(rid, exc.code, exc.message)
         await self._send(writer, response)
 
+    def _is_admin(self, peer: Peer) -> bool:
+        """Root, or a member (primary or supplementary) of the admin group."""
+        admin_gid = self._admin_gid
+        return peer.uid == 0 or (admin_gid is not None and admin_gid in peer.groups | {peer.gid})
+
     def _authorise(self, cmd: str, peer: Peer) -> None:
-        if cmd not in ADMIN_COMMANDS or peer.uid == 0:
+        spec = COMMANDS[cmd]
+        if spec.access is Access.READ or peer.uid == 0:
             return
-        if self._admin_gid is not None and self._admin_gid in peer.groups | {peer.gid}:
+        if spec.access is Access.ADMIN and self._is_admin(peer):
             return
         logger.info("refused %s from uid %d (pid %d)", cmd, peer.uid, peer.pid)
+        if spec.access is Access.ROOT:
+            raise ControlError(
+                "forbidden", f"{cmd} needs root: {spec.root_reason} (you are uid {peer.uid})"
+            )
         if self._admin_gid is None:
             need = "root (no admin group is configured)"
         else:

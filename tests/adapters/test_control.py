@@ -14,19 +14,30 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from kiwid.adapters.control import (
+    COMMANDS,
+    ERROR_CODES,
+    MAX_DEPTH,
+    MAX_INT_DIGITS,
+    Access,
+    Arg,
+    CommandTableMismatch,
     ControlError,
     ControlServer,
     DaemonUnreachable,
     Handler,
+    Kind,
     Peer,
     SocketInUse,
+    check_command_table,
     peer_of,
     request,
 )
@@ -71,6 +82,8 @@ class FakeDaemon:
         if cmd == "set-mode":
             gpu["mode"] = gpu["mode_configured"] if args["mode"] == "on" else args["mode"]
             return {"mode": gpu["mode"], "gpus": ["0"]}
+        if cmd == "register":
+            return {"tenant": f"container:{args['id']}", "held": False}
         if cmd == "sim-attach":
             return {"not-json": {1, 2}}  # a handler bug: the result cannot be encoded
         raise RuntimeError("simulated handler bug")  # sim-detach
@@ -178,6 +191,28 @@ class LogEvent(logging.Handler):
         logging.getLogger("kiwid.control").removeHandler(self)
 
 
+class LogRecords(logging.Handler):
+    """Collects what ``kiwid.control`` logs, at every level, from any thread."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._logger = logging.getLogger("kiwid.control")
+        self._level = self._logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> list[logging.LogRecord]:
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.DEBUG)
+        return self.records
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
+
+
 @pytest.fixture
 def raw() -> Iterator[Callable[[Path], Raw]]:
     opened: list[Raw] = []
@@ -225,7 +260,54 @@ def test_several_requests_on_one_connection_answered_in_order(serve: Any, raw: A
         (b'{"v": 1, "cmd": "set-tq", "args": {"tq": NaN}}', "bad-request", "NaN"),
         (b'{"v": 1, "cmd": "set-tq", "args": {"tq": 1e999}}', "bad-request", "out of range"),
         (b"[" * 60000, "bad-request", "not valid JSON"),
+        (b'{"v": 1, "cmd": "set-tq", "args": {"tq": Infinity}}', "bad-request", "Infinity"),
+        (b'{"v": 1, "cmd": "set-tq", "args": {"tq": -Infinity}}', "bad-request", "-Infinity"),
+        (b'{"v": 1, "cmd": "set-tq", "args": {"tq": -1e999}}', "bad-request", "out of range"),
+        (b'{"v": 1, "cmd": "ping", "id": ' + b"9" * 5000 + b"}", "bad-request", "5000 digits"),
+        (
+            b'{"v": 1, "cmd": "ping", "id": -' + b"9" * 65 + b"}",
+            "bad-request",
+            "65 digits; kiwid reads at most 64",
+        ),
+        (
+            b'{"v": 1, "cmd": "sim-detach", "args": {"pid": 9223372036854775808}}',
+            "bad-request",
+            "64-bit",
+        ),
+        (
+            b'{"v": 1, "cmd": "sim-detach", "args": {"pid": -9223372036854775809}}',
+            "bad-request",
+            "64-bit",
+        ),
+        (b'{"v": 1, "cmd": "sim-detach", "args": {"pid": 1e3}}', "bad-request", "integer"),
+        (
+            b'{"v": 1, "cmd": "set-tq", "args": {"tq": ' + b"9" * 64 + b"}}",
+            "invalid-value",
+            "not 1e+64",
+        ),
+        (
+            b'{"v": 1, "cmd": "set-tq", "args": {"tq": 1' + b"0" * 400 + b".5}}",
+            "bad-request",
+            "out of range",
+        ),
+        (b'{"v": 1, "cmd": "ping", "id": "a\xed\xa0\x80"}', "bad-request", "not valid JSON"),
+        (b'{"v": 1, "cmd": "ping", "id": "\xc0\xaf"}', "bad-request", "not valid JSON"),
+        (b'\xef\xbb\xbf{"v": 1, "cmd": "ping"}', "bad-request", "not valid JSON"),
+        (b'{"v": 1, "cmd": "ping", "id": "a\x00b"}', "bad-request", "not valid JSON"),
+        (b'{"v": 1, "cmd": "ping"}\x00', "bad-request", "not valid JSON"),
+        (b'{"v": 1, "cmd": "set-mode", "args": {"mode": "off\\u0000"}}', "bad-request", "NUL"),
+        (b'{"v": 1, "cmd": "ping", "id": {"\\u0000": 1}}', "bad-request", "NUL"),
         (b"[1, 2]", "bad-request", "JSON object"),
+        (b"null", "bad-request", "JSON object"),
+        (b'"ping"', "bad-request", "JSON object"),
+        (b'{"v": 1, "cmd": ["ping"]}', "bad-request", "'cmd'"),
+        (b'{"v": 1, "cmd": null}', "bad-request", "'cmd'"),
+        (b'{"v": "1", "cmd": "ping"}', "bad-request", "version '1'"),
+        (b'{"v": 1, "cmd": "ping", "args": null}', "bad-request", "'args'"),
+        (b'{"v": 1, "cmd": "set-mode", "args": {"mode": null}}', "bad-request", "must be a string"),
+        (b'{"v": 1, "cmd": "register", "args": {"id": "c", "gpus": "0"}}', "bad-request", "list"),
+        (b'{"v": 1, "cmd": "register", "args": {"id": "c", "gpus": [0]}}', "bad-request", "list"),
+        (b'{"v": 1, "cmd": "register", "args": {"id": "c", "hold": 1}}', "bad-request", "boolean"),
         (b'{"v": 2, "cmd": "ping"}', "bad-request", "version 2"),
         (b'{"v": true, "cmd": "ping"}', "bad-request", "version"),
         (b'{"cmd": "ping"}', "bad-request", "version None"),
@@ -256,6 +338,59 @@ def test_bad_requests_are_answered_and_the_connection_lives_on(
     assert [c[0] for c in daemon.calls] == handled  # the handler sees valid requests only
 
 
+@pytest.mark.parametrize(
+    ("line", "rid", "where"),
+    [
+        (rb'{"v": 1, "id": "\ud800", "cmd": "ping"}', None, "the string at id"),
+        (rb'{"v": 1, "id": ["ok", {"k": "\udfff"}], "cmd": "ping"}', None, "id[1].k"),
+        (rb'{"v": 1, "id": 7, "cmd": "\udc00"}', 7, "the string at cmd"),
+        (rb'{"v": 1, "id": 7, "cmd": "ping", "\ud800": 1}', 7, "a key of the request"),
+        (rb'{"v": 1, "id": 7, "cmd": "ping", "args": {"\ud800": 1}}', 7, "a key of args"),
+        (
+            rb'{"v": 1, "id": 7, "cmd": "register", "args": {"id": "c1", "name": "x\ud800"}}',
+            7,
+            "the string at args.name",
+        ),
+        (
+            rb'{"v": 1, "id": 7, "cmd": "register", "args": {"id": "c1", "gpus": ["0", "\udbff"]}}',
+            7,
+            "args.gpus[1]",
+        ),
+    ],
+)
+def test_lone_surrogates_are_refused_and_the_connection_keeps_its_answers(
+    serve: Any, raw: Any, caplog: pytest.LogCaptureFixture, line: bytes, rid: Any, where: str
+) -> None:
+    daemon = FakeDaemon()
+    r = raw(serve(daemon).path)
+    with caplog.at_level(logging.DEBUG, logger="kiwid.control"):
+        r.send(
+            b'{"v": 1, "id": 1, "cmd": "ping"}\n' + line + b'\n{"v": 1, "id": 3, "cmd": "ping"}\n'
+        )
+        answers = [r.recv(), r.recv(), r.recv()]
+    assert [a and (a["id"], a["ok"]) for a in answers] == [(1, True), (rid, False), (3, True)]
+    error = (answers[1] or {})["error"]
+    assert error["code"] == "bad-request"
+    assert where in error["message"]
+    assert "not valid Unicode" in error["message"]
+    assert [c[0] for c in daemon.calls] == ["ping", "ping"]  # never reaches the handler
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.ERROR]
+
+
+def test_every_nesting_depth_is_answered_and_deep_ids_are_not_echoed(serve: Any, raw: Any) -> None:
+    """Below the parser's recursion limit too: there, echoing a deep id overflowed the stack."""
+    r = raw(serve().path)
+    for depth in range(1, 1100):
+        rid = b"[" * depth + b"]" * depth
+        answer = r.ask(b'{"v": 1, "cmd": "ping", "id": ' + rid + b"}\n")
+        if depth < MAX_DEPTH:  # the request is level 1, its id's outer list level 2
+            assert (answer["id"], answer["ok"]) == (json.loads(rid), True), depth
+        else:
+            assert (answer["id"], answer["ok"]) == (None, False), depth
+            assert answer["error"]["code"] == "bad-request", depth
+    assert r.ask({"v": 1, "id": "after", "cmd": "ping"})["ok"] is True
+
+
 def test_blank_lines_are_ignored_and_a_last_line_needs_no_newline(serve: Any, raw: Any) -> None:
     r = raw(serve().path)
     r.send(b'\n  \n{"v": 1, "id": 1, "cmd": "ping"}')
@@ -281,6 +416,163 @@ def test_line_of_exactly_max_line_is_accepted(serve: Any, raw: Any) -> None:
     line += b"x" * (100 - len(line) - 2) + b'"}'
     assert len(line) == 100
     assert r.ask(line + b"\n")["ok"] is True
+
+
+# ---- property: every line gets exactly one answer --------------------------------------
+
+ANY_CHAR = hst.characters(exclude_categories=())  # lone surrogates and NUL included
+EDGES = ["\0", "x\0", "\ud800", "a\udfffb", 2**63, -(2**63) - 1, 10**64, -(10**70), 1e308]
+JSON_VALUES = hst.recursive(
+    hst.none()
+    | hst.booleans()
+    | hst.integers()
+    | hst.floats()
+    | hst.text(ANY_CHAR, max_size=8)
+    | hst.sampled_from(EDGES),
+    lambda kids: (
+        hst.lists(kids, max_size=4)
+        | hst.dictionaries(hst.text(ANY_CHAR, max_size=6), kids, max_size=4)
+    ),
+    max_leaves=12,
+)
+VALID_REQUESTS: list[dict[str, Any]] = [
+    {"v": 1, "id": 1, "cmd": "ping"},
+    {"v": 1, "id": "s", "cmd": "status", "args": {}},
+    {"v": 1, "cmd": "tenants"},
+    {"v": 1, "id": 2, "cmd": "set-tq", "args": {"tq": 20, "gpu": "0"}},
+    {"v": 1, "id": 3, "cmd": "set-mode", "args": {"mode": "off"}},
+    {"v": 1, "id": 4, "cmd": "sim-attach", "args": SIM},
+    {"v": 1, "id": 5, "cmd": "sim-detach", "args": {"pid": 1}},
+    {
+        "v": 1,
+        "id": [6],
+        "cmd": "register",
+        "args": {"id": "c1", "cgroup_v2": None, "pid": 7, "name": "n", "pod": "p"}
+        | {"namespace": "ns", "gpus": ["0"], "hold": True, "device_ids": ["d"]},
+    },
+    {"v": 1, "id": 7, "cmd": "unregister", "args": {"id": "c1"}},
+]
+SPECIAL_LINES = [
+    b"",
+    b" \t\r",
+    b"NaN",
+    b"-Infinity",
+    b"[" * 3000,
+    b"[" * 900 + b"]" * 900,
+    b"9" * 5000,
+    b"\x00",
+    b"\xef\xbb\xbf{}",
+    b'{"v": 1, "cmd": "ping", "id": "\\ud800"}',
+    b'{"v": 1, "cmd": "ping", "id": "\\u0000"}',
+]
+
+
+def _dump(value: Any, ascii_only: bool) -> bytes:
+    return json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+
+
+@hst.composite
+def mutated_requests(draw: hst.DrawFn) -> bytes:
+    """A valid request with fields replaced or removed, then perhaps a few bytes edited.
+
+    Replacements favour the fields a request already has and strings and edge values,
+    so that many mutants are still valid and reach the handler.
+    """
+    req = copy.deepcopy(draw(hst.sampled_from(VALID_REQUESTS)))
+    for _ in range(draw(hst.integers(0, 3))):
+        args = req.get("args")
+        target = args if isinstance(args, dict) and draw(hst.booleans()) else req
+        if target and draw(hst.integers(0, 3)) == 0:
+            del target[draw(hst.sampled_from(sorted(target)))]
+        else:
+            names = hst.sampled_from(sorted(target) or ["id"]) | hst.text(ANY_CHAR, max_size=4)
+            value = hst.sampled_from(EDGES) | hst.text(ANY_CHAR, max_size=8) | JSON_VALUES
+            target[draw(names)] = draw(value)
+    data = _dump(req, draw(hst.sampled_from([True, True, True, False])))
+    for _ in range(draw(hst.sampled_from([0, 0, 0, 0, 1, 2]))):
+        at = draw(hst.integers(0, len(data)))
+        data = data[:at] + draw(hst.binary(max_size=3)) + data[at + draw(hst.integers(0, 3)) :]
+    return data
+
+
+LINES = (
+    hst.binary(max_size=64)
+    | hst.builds(_dump, JSON_VALUES, hst.booleans())
+    | mutated_requests()
+    | hst.sampled_from(SPECIAL_LINES)
+).map(lambda line: line.replace(b"\n", b""))
+
+
+def _handler_safe(value: Any) -> bool:
+    """No NUL, lone surrogate or integer beyond 64 digits anywhere in ``value``."""
+    if isinstance(value, str):
+        return "\0" not in value and not any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    if isinstance(value, int):
+        return abs(value) < 10**MAX_INT_DIGITS
+    if isinstance(value, list):
+        return all(_handler_safe(v) for v in value)
+    if isinstance(value, dict):
+        return all(_handler_safe(k) and _handler_safe(v) for k, v in value.items())
+    return True
+
+
+async def echo(cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    """Answers with what it was given; fails (so: internal) on what should not get here."""
+    if not _handler_safe(args):
+        raise AssertionError(f"the handler got {args!r}")
+    return {"cmd": cmd, "args": args}
+
+
+def read_answers(r: Raw) -> list[dict[str, Any]]:
+    """Every answer line up to the end of the stream, each checked to be strict JSON."""
+    data = b""
+    while chunk := r.sock.recv(1 << 20):
+        data += chunk
+    *lines, rest = data.split(b"\n")
+    assert rest == b"", "an answer without its newline"
+    answers = []
+    for line in lines:
+        answer = json.loads(line.decode("utf-8"), parse_constant=pytest.fail)
+        assert isinstance(answer, dict)
+        assert answer["v"] == 1
+        assert "id" in answer
+        if answer["ok"] is True:
+            assert "result" in answer
+        else:
+            assert answer["ok"] is False
+            assert answer["error"]["code"] in ERROR_CODES - {"internal"}, answer
+            assert isinstance(answer["error"]["message"], str)
+            assert answer["error"]["message"]
+        answers.append(answer)
+    return answers
+
+
+def test_any_lines_get_one_answer_each_in_order(serve: Any, raw: Any) -> None:
+    server = serve(echo)
+    with LogRecords() as records:
+
+        @settings(max_examples=300, deadline=None)
+        @given(hst.lists(LINES, max_size=8), hst.booleans())
+        def one_connection(lines: list[bytes], last_newline: bool) -> None:
+            r = raw(server.path)
+            payload = b""
+            for i, line in enumerate(lines):
+                payload += line + b"\n" + b'{"v": 1, "cmd": "ping", "id": "m%d"}\n' % i
+            r.send(payload if last_newline else payload.removesuffix(b"\n"))
+            r.sock.shutdown(socket.SHUT_WR)
+            answers = read_answers(r)
+            r.close()
+            expected: list[str | None] = []  # None: any answer; blank lines get none
+            for i, line in enumerate(lines):
+                expected += [None, f"m{i}"] if line.strip() else [f"m{i}"]
+            assert len(answers) == len(expected)
+            for answer, marker in zip(answers, expected, strict=True):
+                if marker is not None:
+                    assert (answer["id"], answer["ok"]) == (marker, True)
+
+        one_connection()
+        assert request(server.path, "ping") == {"cmd": "ping", "args": {}}
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING or r.exc_info] == []
 
 
 # ---- slow, idle, greedy and too many clients -------------------------------------------
@@ -325,7 +617,7 @@ def test_hundred_concurrent_clients(serve: Any, raw: Any) -> None:
 
 
 def test_clients_beyond_max_clients_are_refused_not_queued(serve: Any, raw: Any) -> None:
-    st = serve(max_clients=3)
+    st = serve(max_clients=3, reserved_clients=0)  # nothing kept for root, which we are
     held = [raw(st.path) for _ in range(3)]
     for c in held:  # an answer proves the server counts this connection
         assert c.ask({"v": 1, "cmd": "ping"})["ok"] is True
@@ -482,14 +774,13 @@ def test_peer_of_reads_kernel_credentials() -> None:
     assert set(os.getgroups()) | {os.getegid()} == peer.groups
 
 
+# The module's source comes on stdin: uid nobody may not read the checkout (/root is 0700).
 NOBODY_CLIENT = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("kiwi_control", sys.argv[1])
-mod = importlib.util.module_from_spec(spec)
-sys.modules["kiwi_control"] = mod
-spec.loader.exec_module(mod)
+import json, sys, types
+mod = sys.modules["kiwi_control"] = types.ModuleType("kiwi_control")
+exec(compile(sys.stdin.read(), "kiwid/adapters/control.py", "exec"), mod.__dict__)
 try:
-    out = {"ok": True, "result": mod.request(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))}
+    out = {"ok": True, "result": mod.request(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))}
 except mod.ControlError as exc:
     out = {"ok": False, "code": exc.code, "message": exc.message}
 except mod.DaemonUnreachable as exc:
@@ -519,7 +810,8 @@ def as_nobody(
     ids = {"group": NOBODY, "extra_groups": [], **ids}
     extra = [json.dumps(args or {})]
     proc = subprocess.run(
-        [nobody_python(), "-I", "-c", NOBODY_CLIENT, str(CONTROL_PY), str(path), cmd, *extra],
+        [nobody_python(), "-I", "-c", NOBODY_CLIENT, str(path), cmd, *extra],
+        input=CONTROL_PY.read_text(),
         user=NOBODY,
         cwd="/",
         capture_output=True,
@@ -574,3 +866,269 @@ def test_socket_permission_denied_is_explained(sock_dir: Path, serve: Any) -> No
     answer = as_nobody(st.path, "ping")
     assert answer["code"] == "unreachable"
     assert f"permission denied on {st.path}" in answer["message"]
+
+
+@needs_root
+def test_register_and_unregister_need_root_even_for_the_admin_group(serve: Any) -> None:
+    daemon = FakeDaemon()
+    st = serve(daemon)
+    why = "needs root: the container runtime runs kiwi-hook as root (you are uid 65534)"
+    for cmd, args in [("register", {"id": "c1", "hold": True}), ("unregister", {"id": "c1"})]:
+        for groups in ([], [ADMIN_GID]):
+            refused = as_nobody(st.path, cmd, args, extra_groups=groups)
+            assert refused == {"ok": False, "code": "forbidden", "message": f"{cmd} {why}"}
+    assert daemon.calls == []  # the handler never saw them
+    assert request(st.path, "register", {"id": "c1"})["tenant"] == "container:c1"  # we are root
+
+
+@needs_root
+def test_set_weight_and_set_priority_are_for_the_admin_group(serve: Any) -> None:
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    async def handler(cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        calls.append((cmd, args))
+        return {}
+
+    st = serve(handler)
+    weight, priority = {"tenant": "pod:a", "weight": 2.5}, {"tenant": "pod:a", "priority": -3}
+    assert as_nobody(st.path, "set-weight", weight)["code"] == "forbidden"
+    assert as_nobody(st.path, "set-priority", priority)["code"] == "forbidden"
+    assert as_nobody(st.path, "set-weight", weight, extra_groups=[ADMIN_GID])["ok"] is True
+    assert as_nobody(st.path, "set-priority", priority, extra_groups=[ADMIN_GID])["ok"] is True
+    assert calls == [("set-weight", weight), ("set-priority", priority)]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ({"cmd": "set-weight", "args": {"tenant": "a"}}, "needs argument 'weight' (number)"),
+        ({"cmd": "set-weight", "args": {"tenant": 1, "weight": 1}}, "'tenant' must be a string"),
+        ({"cmd": "set-weight", "args": {"tenant": "a", "weight": "2"}}, "must be a number"),
+        ({"cmd": "set-priority", "args": {"tenant": "a", "priority": 1.5}}, "64-bit integer"),
+        ({"cmd": "set-priority", "args": {"tenant": "a", "priority": True}}, "64-bit integer"),
+        ({"cmd": "set-priority", "args": {"tenant": "a", "priority": 1, "x": 1}}, "argument(s) x"),
+    ],
+)
+def test_new_commands_check_their_argument_types(
+    serve: Any, raw: Any, args: dict[str, Any], fragment: str
+) -> None:
+    daemon = FakeDaemon()
+    answer = raw(serve(daemon).path).ask({"v": 1, **args})
+    assert answer["error"]["code"] == "bad-request"
+    assert fragment in answer["error"]["message"]
+    assert daemon.calls == []
+
+
+def test_the_command_table_is_public_and_typed() -> None:
+    levels = {name: spec.access for name, spec in COMMANDS.items()}
+    assert levels == {
+        **dict.fromkeys(["ping", "status", "tenants"], Access.READ),
+        **dict.fromkeys(["set-tq", "set-mode", "set-weight", "set-priority"], Access.ADMIN),
+        **dict.fromkeys(["sim-attach", "sim-detach"], Access.ADMIN),
+        **dict.fromkeys(["register", "unregister"], Access.ROOT),
+    }
+    assert COMMANDS["set-weight"].args == {"tenant": Arg(Kind.STRING), "weight": Arg(Kind.NUMBER)}
+    assert COMMANDS["set-priority"].args["priority"] == Arg(Kind.INTEGER)
+    assert COMMANDS["register"].args["pod"] == Arg(Kind.STRING, required=False, nullable=True)
+    with pytest.raises(TypeError):
+        COMMANDS["ping"] = COMMANDS["status"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        COMMANDS["set-tq"].args["x"] = Arg(Kind.STRING)  # type: ignore[index]
+
+
+def test_check_command_table_names_what_is_missing_and_what_is_unknown() -> None:
+    check_command_table(list(COMMANDS))
+    check_command_table(dict.fromkeys(COMMANDS).keys())
+    table = set(COMMANDS) - {"set-weight", "set-priority"} | {"reboot"}
+    with pytest.raises(CommandTableMismatch) as err:
+        check_command_table(table)
+    assert err.value.missing == {"set-weight", "set-priority"}
+    assert err.value.unknown == {"reboot"}
+    assert str(err.value) == (
+        "the command table lacks set-priority, set-weight; "
+        "has commands the protocol does not: reboot"
+    )
+
+
+def test_the_protocol_document_gives_every_command_its_level() -> None:
+    """Each command has a ### heading in docs/control-protocol.md, labelled (admin)/(root)."""
+    doc = (REPO / "docs" / "control-protocol.md").read_text()
+    headings = [line for line in doc.splitlines() if line.startswith("### ")]
+    for name, spec in COMMANDS.items():
+        mine = [h for h in headings if f"`{name}`" in h]
+        assert len(mine) == 1, name
+        label = "(root" if "(root" in mine[0] else "(admin" if "(admin" in mine[0] else None
+        expected = {Access.READ: None, Access.ADMIN: "(admin", Access.ROOT: "(root"}
+        assert label == expected[spec.access], mine[0]
+
+
+# ---- connection limits per uid, with a real second (and third) uid ---------------------
+
+# Socket code only, so that uid nobody needs nothing from the checkout. It opens
+# argv[2] connections one after the other, sends a ping on each and prints the
+# answer (null at end of stream), then "holding", and keeps those accepted open
+# until its stdin ends. Each line "swap" on stdin hands the oldest connection back (it waits
+# for kiwid's end of it to close, by then its slot is free) and opens another.
+HOLDER = """
+import json, socket, sys
+
+def open_one(i):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(sys.argv[1])
+    try:
+        s.sendall(b'{"v": 1, "id": %d, "cmd": "ping"}\\n' % i)
+    except OSError:
+        pass  # refused, and closed already: its answer says why
+    data = b""
+    while not data.endswith(b"\\n"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    answer = json.loads(data) if data else None
+    print(json.dumps(answer), flush=True)
+    if answer and answer["ok"]:
+        held.append(s)
+    else:
+        s.close()
+
+held = []
+for i in range(int(sys.argv[2])):
+    open_one(i)
+print("holding", flush=True)
+for _ in sys.stdin:
+    old = held.pop(0)
+    old.shutdown(socket.SHUT_WR)
+    while old.recv(65536):
+        pass
+    old.close()
+    open_one(-1)
+"""
+
+
+class Holder:
+    """A process of another uid holding control connections open until `release`."""
+
+    def __init__(self, path: Path, count: int, uid: int, groups: list[int]) -> None:
+        self.proc = subprocess.Popen(
+            [nobody_python(), "-I", "-c", HOLDER, str(path), str(count)],
+            user=uid,
+            group=NOBODY,
+            extra_groups=groups,
+            cwd="/",
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        lines = [self.stdout.readline() for _ in range(count + 1)]
+        if lines[-1] != "holding\n":
+            self.release()
+            pytest.fail(f"the holder failed after {lines}")
+        self.answers: list[dict[str, Any] | None] = [json.loads(x) for x in lines[:-1]]
+
+    def accepted(self) -> int:
+        return sum(1 for a in self.answers if a and a["ok"])
+
+    def refusals(self) -> list[str]:
+        """The messages of the refused connections (each answered unavailable, id null)."""
+        refused = [a for a in self.answers if not (a and a["ok"])]
+        assert all(a and (a["id"], a["error"]["code"]) == (None, "unavailable") for a in refused)
+        return [a["error"]["message"] for a in refused if a]
+
+    def swap(self) -> dict[str, Any] | None:
+        """Hand the oldest connection back, open another: the new one's answer."""
+        self.stdin.write("swap\n")
+        self.stdin.flush()
+        answer: dict[str, Any] | None = json.loads(self.stdout.readline())
+        return answer
+
+    def release(self) -> None:
+        """Close its stdin: it exits, closing its connections; wait for that."""
+        self.stdin.close()
+        self.proc.wait(30)
+        self.stdout.close()
+
+
+@pytest.fixture
+def hold() -> Iterator[Callable[..., Holder]]:
+    holders: list[Holder] = []
+
+    def start(path: Path, count: int, uid: int = NOBODY, groups: Iterable[int] = ()) -> Holder:
+        holders.append(Holder(path, count, uid, list(groups)))
+        return holders[-1]
+
+    yield start
+    for h in holders:
+        h.release()
+
+
+@needs_root
+def test_a_user_holding_every_connection_cannot_lock_out_root(
+    serve: Any, raw: Any, hold: Any
+) -> None:
+    """The attack: one local user opens max_clients connections and keeps them busy."""
+    st = serve(max_clients=8)
+    with LogEvent("refused a control client, uid 65534") as logged:
+        greedy = hold(st.path, 12)
+    assert greedy.accepted() == 8  # the per-uid limit (16) is above max_clients here
+    assert all("8 control clients" in m for m in greedy.refusals())
+    assert request(st.path, "ping") == {"version": "0.1.0"}  # root, as kiwictl
+    assert request(st.path, "register", {"id": "c1"})["tenant"] == "container:c1"  # kiwi-hook
+    roots = [raw(st.path) for _ in range(4)]  # several at once, as in a burst of containers
+    assert all(r.ask({"v": 1, "cmd": "ping"})["ok"] for r in roots)
+    assert logged.is_set()  # logged before the refusal was answered
+
+
+@needs_root
+def test_an_ordinary_uid_holds_at_most_max_clients_per_uid(serve: Any, hold: Any) -> None:
+    st = serve(max_clients_per_uid=3)
+    greedy = hold(st.path, 5)
+    assert greedy.accepted() == 3
+    refusals = greedy.refusals()
+    assert len(refusals) == 2
+    assert refusals[0] == (
+        "uid 65534 already holds 3 control connections, the most one user may; "
+        "close one and try again"
+    )
+    other = hold(st.path, 3, uid=NOBODY - 1)  # another user is not affected
+    assert other.accepted() == 3
+    admin = hold(st.path, 5, uid=NOBODY - 2, groups=[ADMIN_GID])  # no cap per uid for it
+    assert admin.accepted() == 5
+    for _ in range(5):  # a slot handed back is free again for the same uid
+        answer = greedy.swap()
+        assert answer is not None
+        assert answer["ok"] is True
+
+
+@needs_root
+def test_slots_beyond_max_clients_are_kept_for_root_and_the_admin_group(
+    serve: Any, raw: Any, hold: Any
+) -> None:
+    st = serve(max_clients=4, max_clients_per_uid=4, reserved_clients=2)
+    assert hold(st.path, 4).accepted() == 4  # the general pool is full
+    late = hold(st.path, 1, uid=NOBODY - 1)
+    assert late.accepted() == 0
+    assert late.refusals() == [
+        "kiwid already serves 4 control clients, the most it takes from users other than "
+        "root and group 'kiwi'; try again later"
+    ]
+    admin = hold(st.path, 3, uid=NOBODY - 1, groups=[ADMIN_GID])
+    assert admin.accepted() == 2  # the reserve, then full even for the admin group
+    assert admin.refusals() == [
+        "kiwid already serves 6 control clients, the most it takes (4, and 2 kept for root "
+        "and group 'kiwi'); try again later"
+    ]
+    for _ in range(2):  # root keeps 2 of its own beyond all that
+        assert raw(st.path).ask({"v": 1, "cmd": "ping"})["ok"] is True
+    third = raw(st.path)
+    refused = third.recv()
+    assert refused is not None
+    assert (refused["id"], refused["error"]["code"]) == (None, "unavailable")
+    assert refused["error"]["message"] == (
+        "kiwid already serves 8 control clients, 2 of them root's; try again later"
+    )
+    assert third.recv() is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import copy
 import functools
 import json
@@ -43,7 +44,6 @@ from kiwid.adapters.control import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-CONTROL_PY = REPO / "kiwid" / "adapters" / "control.py"
 NOBODY = 65534
 ADMIN_GID = 4242  # any gid works: membership is what the kernel reports, no group entry needed
 FORBIDDEN = "changing the scheduler needs root or membership of group 'kiwi' (you are uid 65534)"
@@ -774,11 +774,12 @@ def test_peer_of_reads_kernel_credentials() -> None:
     assert set(os.getgroups()) | {os.getegid()} == peer.groups
 
 
-# The module's source comes on stdin: uid nobody may not read the checkout (/root is 0700).
+# The client runs from a world-readable copy of the control package: uid nobody may not
+# read the checkout (a clone under /root is 0700). Standard library only.
 NOBODY_CLIENT = """
-import json, sys, types
-mod = sys.modules["kiwi_control"] = types.ModuleType("kiwi_control")
-exec(compile(sys.stdin.read(), "kiwid/adapters/control.py", "exec"), mod.__dict__)
+import json, sys
+sys.path.insert(0, sys.argv.pop(1))
+import kiwid.adapters.control as mod
 try:
     out = {"ok": True, "result": mod.request(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))}
 except mod.ControlError as exc:
@@ -803,6 +804,28 @@ def nobody_python() -> str:
     pytest.skip("no Python interpreter is runnable by uid nobody")
 
 
+@functools.cache
+def readable_control() -> Path:
+    """A world-readable directory holding just kiwid's control package (and its parents)."""
+    top = Path(tempfile.mkdtemp(prefix="kiwi-control-", dir="/tmp"))
+    atexit.register(shutil.rmtree, top, True)
+    for part in ("kiwid/__init__.py", "kiwid/adapters/__init__.py"):
+        (top / part).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / part, top / part)
+    shutil.copytree(
+        REPO / "kiwid/adapters/control",
+        top / "kiwid/adapters/control",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    for root, dirs, files in os.walk(top):
+        for name in dirs:
+            Path(root, name).chmod(0o755)
+        for name in files:
+            Path(root, name).chmod(0o644)
+    top.chmod(0o755)
+    return top
+
+
 def as_nobody(
     path: Path, cmd: str, args: dict[str, Any] | None = None, **ids: Any
 ) -> dict[str, Any]:
@@ -810,8 +833,16 @@ def as_nobody(
     ids = {"group": NOBODY, "extra_groups": [], **ids}
     extra = [json.dumps(args or {})]
     proc = subprocess.run(
-        [nobody_python(), "-I", "-c", NOBODY_CLIENT, str(path), cmd, *extra],
-        input=CONTROL_PY.read_text(),
+        [
+            nobody_python(),
+            "-I",
+            "-c",
+            NOBODY_CLIENT,
+            str(readable_control()),
+            str(path),
+            cmd,
+            *extra,
+        ],
         user=NOBODY,
         cwd="/",
         capture_output=True,

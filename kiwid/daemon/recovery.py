@@ -138,7 +138,9 @@ def readopt(ctx: Context, poll: Callable[[Context], list[Event]]) -> None:
     try:
         records = state.load()
     except StateError as err:
-        log.error("Ignoring the state file: %s", err)
+        aside = state.set_aside()
+        where = f"; moved to {aside}" if aside else ""
+        log.error("Ignoring the state file: %s%s", err, where)
         records = {}
     report_skipped(state)
     if state.skipped:

@@ -25,6 +25,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,6 +308,15 @@ class StateFile:
         with self._write_lock:
             self._records = dict(records)
             self._write()
+
+    def set_aside(self) -> Path | None:
+        """Move an unusable state file out of the way (kept for the operator)."""
+        aside = self.path.with_name(f"{self.path.name}.unusable-{int(time.time())}")
+        try:
+            self.path.rename(aside)
+        except OSError:
+            return None
+        return aside
 
     def clear(self) -> None:
         """Forget everything and remove the file."""

@@ -163,7 +163,10 @@ def start_kiwid(workdir: Path) -> Iterator[Callable[..., Kiwid]]:
             k.proc.kill()
             k.proc.wait()
     subprocess.run(
-        [*KIWID, "recover", "--state-dir", str(workdir / "state")], check=False, capture_output=True
+        [*KIWID, "recover", "--state-dir", str(workdir / "state")],
+        check=False,
+        capture_output=True,
+        timeout=60,
     )
 
 

@@ -129,7 +129,7 @@ class NvmlBackend:
         atexit.register(self.close)
         try:
             log.debug("NVML initialised, driver %s", pynvml.nvmlSystemGetDriverVersion())
-        except pynvml.NVMLError as err:  # pragma: no cover - gpu: version is informational
+        except pynvml.NVMLError as err:
             log.debug("NVML initialised, driver version unknown: %s", err)
 
     def _handle(self, index: int) -> Any:
@@ -178,7 +178,7 @@ class NvmlBackend:
                 self._handles.pop(index, None)
             raise translated from err
 
-    def devices(self) -> Sequence[DeviceInfo]:  # pragma: no cover - gpu
+    def devices(self) -> Sequence[DeviceInfo]:
         """List the usable GPUs; a lost GPU is logged at WARNING and left out.
 
         Returns:
@@ -210,7 +210,7 @@ class NvmlBackend:
                 found.append(DeviceInfo(index, str(uuid), str(name), int(memory.total)))
             return found
 
-    def processes(self, index: int) -> Sequence[GpuProcess]:  # pragma: no cover - gpu
+    def processes(self, index: int) -> Sequence[GpuProcess]:
         """List the compute processes on a GPU (``nvmlDeviceGetComputeRunningProcesses``).
 
         The newest versioned symbol the driver has is probed once and logged at DEBUG.
@@ -231,7 +231,7 @@ class NvmlBackend:
             procs = self._query_processes(index)
             return [GpuProcess(int(p.pid), _memory(p.usedGpuMemory)) for p in procs]
 
-    def _query_processes(self, index: int) -> Any:  # pragma: no cover - gpu
+    def _query_processes(self, index: int) -> Any:
         """Call the newest available running-processes function (lock held).
 
         Raises:
@@ -257,7 +257,7 @@ class NvmlBackend:
         reason, hint = _FATAL[pynvml.NVML_ERROR_FUNCTION_NOT_FOUND]
         raise DriverUnavailable(f"nvmlDeviceGetComputeRunningProcesses: {reason}", hint)
 
-    def active_pids(self, index: int, window_s: float) -> frozenset[int]:  # pragma: no cover - gpu
+    def active_pids(self, index: int, window_s: float) -> frozenset[int]:
         """Return the PIDs with SM utilisation above zero in the last ``window_s`` seconds.
 
         ``nvmlDeviceGetProcessUtilization`` raising ``NVMLError_NotFound`` means no
@@ -294,13 +294,13 @@ class NvmlBackend:
             self._initialised = False
             self._handles.clear()
             atexit.unregister(self.close)
-            try:  # pragma: no cover - gpu
+            try:
                 pynvml.nvmlShutdown()
-            except pynvml.NVMLError as err:  # pragma: no cover - gpu
+            except pynvml.NVMLError as err:
                 log.debug("nvmlShutdown failed: %s", err)
 
 
-def _process_utilization(handle: Any, since_us: int) -> Any:  # pragma: no cover - gpu
+def _process_utilization(handle: Any, since_us: int) -> Any:
     """Call ``nvmlDeviceGetProcessUtilization``, mapping pynvml's quirk to "no samples".
 
     pynvml raises ``NVMLError(NVML_SUCCESS)`` when the size query already succeeds,
@@ -317,8 +317,12 @@ def _process_utilization(handle: Any, since_us: int) -> Any:  # pragma: no cover
         raise
 
 
-def _memory(value: int | None) -> int | None:  # pragma: no cover - gpu
-    """Return used memory in bytes, or ``None`` when NVML did not say."""
+def _memory(value: int | None) -> int | None:
+    """Return used memory in bytes, or ``None`` when NVML did not say.
+
+    pynvml already reports ``NVML_VALUE_NOT_AVAILABLE`` as ``None``; the raw
+    value is mapped too, for a binding that passes it through.
+    """
     if value is None or value == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
         return None
     return int(value)

@@ -67,6 +67,9 @@ _RUNNING_PROCESSES = (
     "nvmlDeviceGetComputeRunningProcesses_v3",
     "nvmlDeviceGetComputeRunningProcesses_v2",
 )
+# Extra tries of the utilisation query when its sample count grew between pynvml's
+# size query and its fetch.
+_UTILIZATION_RETRIES = 2
 
 
 def translate_error(err: Exception, what: str, index: int | None = None) -> GpuBackendError:
@@ -304,17 +307,28 @@ def _process_utilization(handle: Any, since_us: int) -> Any:
     """Call ``nvmlDeviceGetProcessUtilization``, mapping pynvml's quirk to "no samples".
 
     pynvml raises ``NVMLError(NVML_SUCCESS)`` when the size query already succeeds,
-    which the driver does when there are no samples to return.
+    which the driver does when there are no samples to return. pynvml sizes its
+    sample array by that first answer, without the head room it gives the process
+    list, so a process whose first sample lands between its two calls makes the
+    fetch fail with ``NVMLError_InsufficientSize`` (NVML documents that the count
+    may change between calls): the query is then asked again, up to
+    ``_UTILIZATION_RETRIES`` more times.
 
     Raises:
-        pynvml.NVMLError: Any real NVML error (translated by the caller).
+        pynvml.NVMLError: Any real NVML error (translated by the caller), including
+            ``InsufficientSize`` when the count kept growing.
     """
-    try:
-        return pynvml.nvmlDeviceGetProcessUtilization(handle, since_us)
-    except pynvml.NVMLError as err:
-        if err.value == pynvml.NVML_SUCCESS:
-            return []
-        raise
+    retries = _UTILIZATION_RETRIES
+    while True:
+        try:
+            return pynvml.nvmlDeviceGetProcessUtilization(handle, since_us)
+        except pynvml.NVMLError as err:
+            if err.value == pynvml.NVML_SUCCESS:
+                return []
+            if err.value != pynvml.NVML_ERROR_INSUFFICIENT_SIZE or retries == 0:
+                raise
+            retries -= 1
+            log.debug("NVML: more utilisation samples than a moment ago; asking again")
 
 
 def _memory(value: int | None) -> int | None:

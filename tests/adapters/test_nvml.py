@@ -459,3 +459,37 @@ def test_nvml_is_shut_down_at_exit_without_close(tmp_path: Path) -> None:
     )
     assert f"1 GPU {DIRECTORY / 'pynvml.py'}" in out.stdout
     assert "refcount at exit 0" in out.stdout
+
+
+def _samples_arrive_after_each_size_query(
+    machine: Machine, monkeypatch: pytest.MonkeyPatch, arrivals: list[int]
+) -> None:
+    """Simulate processes whose first sample lands between pynvml's two calls."""
+    query = standin._Library.nvmlDeviceGetProcessUtilization
+
+    def driver(self: Any, handle: Any, utilization: Any, count: Any, last_seen: Any) -> int:
+        ret = query(self, handle, utilization, count, last_seen)
+        if utilization is None and arrivals:  # the size query
+            sample = {"pid": arrivals.pop(0), "timeStamp": NOW_US - 1_000, "smUtil": 7}
+            machine.gpu["samples"].append(sample)
+            machine.save()
+        return ret
+
+    monkeypatch.setattr(standin._Library, UTILIZATION, driver)
+
+
+def test_a_sample_landing_between_size_query_and_fetch_is_asked_again(
+    machine: Machine, gpus: NvmlBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _samples_arrive_after_each_size_query(machine, monkeypatch, [99])
+    assert gpus.active_pids(0, 0.5) == {452, 474, 99}
+    assert machine.calls(UTILIZATION) == 4  # size, fetch (too small), size, fetch
+
+
+def test_a_sample_count_that_keeps_growing_is_a_backend_error(
+    machine: Machine, gpus: NvmlBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _samples_arrive_after_each_size_query(machine, monkeypatch, list(range(100, 110)))
+    with pytest.raises(GpuBackendError, match="failed: Insufficient Size"):
+        gpus.active_pids(0, 0.5)
+    assert machine.calls(UTILIZATION) == 2 * (1 + nvml._UTILIZATION_RETRIES)

@@ -67,6 +67,9 @@ _RUNNING_PROCESSES = (
     "nvmlDeviceGetComputeRunningProcesses_v3",
     "nvmlDeviceGetComputeRunningProcesses_v2",
 )
+# Extra tries of the utilisation query when its sample count grew between pynvml's
+# size query and its fetch.
+_UTILIZATION_RETRIES = 2
 
 
 def translate_error(err: Exception, what: str, index: int | None = None) -> GpuBackendError:
@@ -129,7 +132,7 @@ class NvmlBackend:
         atexit.register(self.close)
         try:
             log.debug("NVML initialised, driver %s", pynvml.nvmlSystemGetDriverVersion())
-        except pynvml.NVMLError as err:  # pragma: no cover - gpu: version is informational
+        except pynvml.NVMLError as err:
             log.debug("NVML initialised, driver version unknown: %s", err)
 
     def _handle(self, index: int) -> Any:
@@ -178,7 +181,7 @@ class NvmlBackend:
                 self._handles.pop(index, None)
             raise translated from err
 
-    def devices(self) -> Sequence[DeviceInfo]:  # pragma: no cover - gpu
+    def devices(self) -> Sequence[DeviceInfo]:
         """List the usable GPUs; a lost GPU is logged at WARNING and left out.
 
         Returns:
@@ -210,7 +213,7 @@ class NvmlBackend:
                 found.append(DeviceInfo(index, str(uuid), str(name), int(memory.total)))
             return found
 
-    def processes(self, index: int) -> Sequence[GpuProcess]:  # pragma: no cover - gpu
+    def processes(self, index: int) -> Sequence[GpuProcess]:
         """List the compute processes on a GPU (``nvmlDeviceGetComputeRunningProcesses``).
 
         The newest versioned symbol the driver has is probed once and logged at DEBUG.
@@ -231,7 +234,7 @@ class NvmlBackend:
             procs = self._query_processes(index)
             return [GpuProcess(int(p.pid), _memory(p.usedGpuMemory)) for p in procs]
 
-    def _query_processes(self, index: int) -> Any:  # pragma: no cover - gpu
+    def _query_processes(self, index: int) -> Any:
         """Call the newest available running-processes function (lock held).
 
         Raises:
@@ -257,7 +260,7 @@ class NvmlBackend:
         reason, hint = _FATAL[pynvml.NVML_ERROR_FUNCTION_NOT_FOUND]
         raise DriverUnavailable(f"nvmlDeviceGetComputeRunningProcesses: {reason}", hint)
 
-    def active_pids(self, index: int, window_s: float) -> frozenset[int]:  # pragma: no cover - gpu
+    def active_pids(self, index: int, window_s: float) -> frozenset[int]:
         """Return the PIDs with SM utilisation above zero in the last ``window_s`` seconds.
 
         ``nvmlDeviceGetProcessUtilization`` raising ``NVMLError_NotFound`` means no
@@ -294,31 +297,46 @@ class NvmlBackend:
             self._initialised = False
             self._handles.clear()
             atexit.unregister(self.close)
-            try:  # pragma: no cover - gpu
+            try:
                 pynvml.nvmlShutdown()
-            except pynvml.NVMLError as err:  # pragma: no cover - gpu
+            except pynvml.NVMLError as err:
                 log.debug("nvmlShutdown failed: %s", err)
 
 
-def _process_utilization(handle: Any, since_us: int) -> Any:  # pragma: no cover - gpu
+def _process_utilization(handle: Any, since_us: int) -> Any:
     """Call ``nvmlDeviceGetProcessUtilization``, mapping pynvml's quirk to "no samples".
 
     pynvml raises ``NVMLError(NVML_SUCCESS)`` when the size query already succeeds,
-    which the driver does when there are no samples to return.
+    which the driver does when there are no samples to return. pynvml sizes its
+    sample array by that first answer, without the head room it gives the process
+    list, so a process whose first sample lands between its two calls makes the
+    fetch fail with ``NVMLError_InsufficientSize`` (NVML documents that the count
+    may change between calls): the query is then asked again, up to
+    ``_UTILIZATION_RETRIES`` more times.
 
     Raises:
-        pynvml.NVMLError: Any real NVML error (translated by the caller).
+        pynvml.NVMLError: Any real NVML error (translated by the caller), including
+            ``InsufficientSize`` when the count kept growing.
     """
-    try:
-        return pynvml.nvmlDeviceGetProcessUtilization(handle, since_us)
-    except pynvml.NVMLError as err:
-        if err.value == pynvml.NVML_SUCCESS:
-            return []
-        raise
+    retries = _UTILIZATION_RETRIES
+    while True:
+        try:
+            return pynvml.nvmlDeviceGetProcessUtilization(handle, since_us)
+        except pynvml.NVMLError as err:
+            if err.value == pynvml.NVML_SUCCESS:
+                return []
+            if err.value != pynvml.NVML_ERROR_INSUFFICIENT_SIZE or retries == 0:
+                raise
+            retries -= 1
+            log.debug("NVML: more utilisation samples than a moment ago; asking again")
 
 
-def _memory(value: int | None) -> int | None:  # pragma: no cover - gpu
-    """Return used memory in bytes, or ``None`` when NVML did not say."""
+def _memory(value: int | None) -> int | None:
+    """Return used memory in bytes, or ``None`` when NVML did not say.
+
+    pynvml already reports ``NVML_VALUE_NOT_AVAILABLE`` as ``None``; the raw
+    value is mapped too, for a binding that passes it through.
+    """
     if value is None or value == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
         return None
     return int(value)

@@ -58,6 +58,8 @@ class Context:
     devices: list[DeviceInfo] = field(default_factory=list)
     unhealthy: set[str] = field(default_factory=set)
     """GPUs (by index) that were lost: not managed until they answer again."""
+    read_failures: dict[str, str] = field(default_factory=dict)
+    """GPUs that could not be read at the last poll (a passing fault), and why."""
     overrides: policy.RuntimeOverrides = field(default_factory=policy.RuntimeOverrides)
     reload: ReloadRecord = field(default_factory=ReloadRecord)
     started: float = 0.0

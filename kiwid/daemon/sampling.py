@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from kiwid.adapters import procs
-from kiwid.adapters.gpu import GpuLost
+from kiwid.adapters.gpu import GpuBackendError, GpuLost
 from kiwid.core.events import Event, HostMemorySeen
 from kiwid.daemon.context import Context
 from kiwid.daemon.state import GatedRecord
@@ -49,6 +49,14 @@ def poll(ctx: Context) -> list[Event]:
                 health_changed = True
                 log.error("GPU %s is lost (%s): its tenants are no longer gated", gid, err)
             continue
+        except GpuBackendError as err:  # a passing fault: its tenants keep their state
+            lost.append(gid)
+            if ctx.read_failures.get(gid) != str(err):
+                ctx.read_failures[gid] = str(err)
+                log.warning("Cannot read GPU %s this time: %s; its tenants are kept", gid, err)
+            continue
+        if ctx.read_failures.pop(gid, None) is not None:
+            log.info("GPU %s answers again", gid)
         if gid in ctx.unhealthy:
             ctx.unhealthy.discard(gid)
             health_changed = True

@@ -77,3 +77,28 @@ def test_nvml_backend_rotates_two_busy_tenants(start_kiwid, tenants, workdir) ->
     wait_for(lambda: not a.frozen() and not b.frozen(), 5, "both tenants to be let go")
     k.wait_log("GPU 0 is lost")
     assert k.stop() == 0
+
+
+def test_a_gpu_that_fails_a_query_keeps_its_tenants_and_kiwid_runs_on(
+    start_kiwid, tenants, workdir
+) -> None:
+    a, b = tenants("a"), tenants("b")
+    machine = workdir / "nvml.json"
+    write_machine(machine, h200(a.pid, b.pid))
+    (workdir / "kiwi.toml").write_text(nvml_config(workdir, tq=30, poll=0.05))
+    path = os.pathsep.join(filter(None, [str(DIRECTORY), os.environ.get("PYTHONPATH")]))
+    k = start_kiwid(env={"PYTHONPATH": path, NVML_MACHINE: str(machine)})
+    wait_for(lambda: a.frozen() != b.frozen(), 5, "one to run, one to wait")
+    waiting = a if a.frozen() else b
+    # A driver that stops answering the utilisation query (a passing fault, or a
+    # card that does not support it): not a lost GPU, and no reason to stop.
+    errors = {"nvmlDeviceGetProcessUtilization": "NOT_SUPPORTED"}
+    write_machine(machine, h200(a.pid, b.pid, errors=errors))
+    k.wait_log("Cannot read GPU 0 this time")
+    assert k.proc.poll() is None
+    assert waiting.frozen(), "its tenants keep their state"
+    assert k.status()["gpus"][0]["healthy"]
+    write_machine(machine, h200(a.pid, b.pid))
+    k.wait_log("GPU 0 answers again")
+    assert k.log_text().count("Cannot read GPU 0 this time") == 1
+    assert k.stop() == 0

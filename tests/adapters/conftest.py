@@ -13,7 +13,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 
 from kiwid.adapters.cgroups import CgroupLayout, CgroupRef
+from tests.helpers import wait_for
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 SLEEP = ["sleep", "300"]
@@ -28,13 +28,7 @@ SLEEP = ["sleep", "300"]
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 2.0, what: str = "") -> None:
     """Poll real state until ``predicate`` holds; fail the test at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.001
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what or predicate}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
+    wait_for(predicate, timeout_s, what or str(predicate), max_delay=0.02)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,20 +13,12 @@ import pytest
 
 from kiwid.adapters.gpu import GpuBackendError, GpuLost, GpuProcess
 from kiwid.adapters.sim.backend import GIB, SimAttachment, SimBackend
+from tests.helpers import wait_for
 
 Spawn = Callable[[list[str]], subprocess.Popen[bytes]]
 BUSY = [sys.executable, "-c", "while True: pass"]
 SLEEP = ["sleep", "60"]
 WINDOW_S = 0.05
-
-
-def _wait_until(predicate: Callable[[], bool], timeout_s: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def _state(pid: int) -> str:
@@ -43,7 +34,7 @@ def spawn() -> Iterator[Spawn]:
         child = subprocess.Popen(argv)
         children.append(child)
         if argv == SLEEP:  # attach only once start-up is over and it really sleeps
-            assert _wait_until(lambda: _state(child.pid) == "S")
+            wait_for(lambda: _state(child.pid) == "S", 2, "the child to sleep")
         return child
 
     try:
@@ -94,7 +85,7 @@ class Freezer:
             want = "FROZEN" if frozen else "THAWED"
             state = self.group / "freezer.state"
             state.write_text(want)
-        assert _wait_until(lambda: want in state.read_text().splitlines())
+        wait_for(lambda: want in state.read_text().splitlines(), 2, f"{want!r} in {state}")
 
 
 @pytest.fixture(params=["v2", "v1"])
@@ -129,7 +120,7 @@ def test_busy_process_is_active_and_sleeping_one_is_not(sim: SimBackend, spawn: 
         seen.append(sim.active_pids(0, WINDOW_S))
         return busy.pid in seen[-1]
 
-    assert _wait_until(busy_seen)
+    wait_for(busy_seen, 2)
     assert all(sleeper.pid not in active for active in seen)
     assert sim.processes(0) == sorted(
         [GpuProcess(busy.pid, 2 * GIB), GpuProcess(sleeper.pid, GIB)], key=lambda p: p.pid
@@ -145,7 +136,7 @@ def test_forced_activity_overrides_cpu_use(sim: SimBackend, spawn: Spawn) -> Non
     assert sim.active_pids(0, WINDOW_S) == {sleeper.pid}
     sim.set_activity(sleeper.pid, "idle")
     sim.set_activity(busy.pid, "cpu")
-    assert _wait_until(lambda: sim.active_pids(0, WINDOW_S) == {busy.pid})
+    wait_for(lambda: sim.active_pids(0, WINDOW_S) == {busy.pid}, 2)
     assert {a.pid: a.activity for a in sim.attached()} == {busy.pid: "cpu", sleeper.pid: "idle"}
 
 
@@ -155,13 +146,13 @@ def test_frozen_process_shows_no_activity(sim: SimBackend, spawn: Spawn, freezer
         freezer.add(child.pid)
     sim.attach(busy.pid, 0, GIB)
     sim.attach(forced.pid, 0, GIB, activity="active")
-    assert _wait_until(lambda: sim.active_pids(0, WINDOW_S) == {busy.pid, forced.pid})
+    wait_for(lambda: sim.active_pids(0, WINDOW_S) == {busy.pid, forced.pid}, 2)
     freezer.freeze(True)
     sim.active_pids(0, WINDOW_S)  # may still see the CPU time spent before the freeze
-    assert _wait_until(lambda: sim.active_pids(0, WINDOW_S) == frozenset())
+    wait_for(lambda: sim.active_pids(0, WINDOW_S) == frozenset(), 2)
     assert {p.pid for p in sim.processes(0)} == {busy.pid, forced.pid}  # NVML still lists them
     freezer.freeze(False)
-    assert _wait_until(lambda: sim.active_pids(0, WINDOW_S) == {busy.pid, forced.pid})
+    wait_for(lambda: sim.active_pids(0, WINDOW_S) == {busy.pid, forced.pid}, 2)
 
 
 def test_dead_and_zombie_processes_vanish(sim: SimBackend, spawn: Spawn) -> None:
@@ -171,7 +162,7 @@ def test_dead_and_zombie_processes_vanish(sim: SimBackend, spawn: Spawn) -> None
     reaped.kill()
     reaped.wait()
     zombie.kill()  # not reaped: it stays a zombie until the fixture waits for it
-    assert _wait_until(lambda: _state(zombie.pid) == "Z")
+    wait_for(lambda: _state(zombie.pid) == "Z", 2)
     assert sim.processes(0) == []
     assert sim.processes(1) == []
     assert sim.attached() == []

@@ -26,6 +26,7 @@ from kiwid.core.events import (
 from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
 from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler
+from tests.helpers import steps as clock_steps
 
 GiB = 2**30
 GPUS = ("0", "1", "2")
@@ -94,15 +95,9 @@ class Run:
 
     def pass_time(self, seconds: float) -> None:
         """Advance, waking at every deadline on the way (as the daemon does)."""
-        end = self.now + seconds
-        while True:
-            deadline = self.sched.next_deadline()
-            if deadline is None or deadline > end:
-                break
-            self.now = max(self.now, deadline)
+        for step in clock_steps(lambda: self.now, self.sched.next_deadline, seconds):
+            self.now += step
             self.feed(Tick())
-        self.now = end
-        self.feed(Tick())
 
     def check(self, event: Event, actions: list[Action], before: object) -> None:
         existing = self.sched.tenant_ids()
@@ -279,12 +274,9 @@ class Shell:
                 self.gated.discard(t)
 
     def pass_time(self, seconds: float) -> None:
-        end = self.now + seconds
-        while (deadline := self.sched.next_deadline()) is not None and deadline <= end:
-            self.now = max(self.now, deadline)
+        for step in clock_steps(lambda: self.now, self.sched.next_deadline, seconds):
+            self.now += step
             self.feed(Tick())
-        self.now = end
-        self.feed(Tick())
 
 
 @settings(max_examples=300, deadline=None)

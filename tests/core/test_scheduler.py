@@ -17,6 +17,7 @@ from kiwid.core.events import (
 )
 from kiwid.core.model import GpuPolicy, Mode, TenantState
 from kiwid.core.scheduler import Scheduler
+from tests.helpers import steps
 
 GiB = 2**30
 S = TenantState
@@ -49,12 +50,7 @@ class Harness:
     def advance(self, seconds: float, *, keep_active: tuple[str, ...] = ()) -> None:
         """Advance in 1 s steps, ticking at every deadline, with activity from
         ``keep_active`` tenants whenever they are not gated."""
-        end = self.clock.now() + seconds
-        while self.clock.now() < end:
-            deadline = self.sched.next_deadline()
-            step = min(1.0, end - self.clock.now())
-            if deadline is not None and deadline > self.clock.now():
-                step = min(step, deadline - self.clock.now())
+        for step in steps(self.clock.now, self.sched.next_deadline, seconds, max_step=1.0):
             self.clock.advance(step)
             self.do(Tick())
             for name in keep_active:

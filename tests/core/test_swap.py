@@ -23,6 +23,7 @@ from kiwid.core.events import (
 )
 from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
 from kiwid.core.scheduler import Scheduler
+from tests.helpers import steps
 
 GiB = 2**30
 S = TenantState
@@ -86,12 +87,7 @@ class Card:
     def run(self, seconds: float) -> list[Action]:
         """Let time pass with every ungated tenant busy; return the actions."""
         out: list[Action] = []
-        end = self.clock.now() + seconds
-        while self.clock.now() < end:
-            deadline = self.sched.next_deadline()
-            step = min(1.0, end - self.clock.now())
-            if deadline is not None and deadline > self.clock.now():
-                step = min(step, deadline - self.clock.now())
+        for step in steps(self.clock.now, self.sched.next_deadline, seconds, max_step=1.0):
             self.clock.advance(step)
             out += self.do(Tick())
             for name in sorted(self.sched.tenant_ids()):

@@ -1,4 +1,7 @@
-"""Fixtures that run a real kiwid (sim backend) with real tenant processes."""
+"""Fixtures that run a real kiwid (sim backend) with real tenant processes.
+
+``wait_for`` is re-exported from :mod:`tests.helpers` for the daemon tests.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
+from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 KIWID = [sys.executable, "-m", "kiwid"]
@@ -49,20 +52,6 @@ shutdown_timeout = 5
 [kubernetes]
 cdi_dir = "{cdi}"
 """
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    delay = 0.005
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
 
 
 @dataclass

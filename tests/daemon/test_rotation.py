@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -38,6 +39,12 @@ def runnable(tenants) -> list[str] | None:
     return [t.name for t, frozen in zip(tenants, first, strict=True) if not frozen]
 
 
+def holding(k, ts) -> list[float]:
+    """Each tenant's holding seconds, from kiwid's ledger."""
+    ledgers = {t["id"]: t["ledger"] for t in k.call("tenants")["tenants"]}
+    return [ledgers[t.key]["holding_s"] for t in ts]
+
+
 def test_only_one_tenant_runs_and_the_order_is_round_robin(start_kiwid, tenants) -> None:
     k = start_kiwid(tq=1, idle_release=0.5, poll=0.05)
     ts = [tenants(name) for name in ("a", "b", "c")]
@@ -45,6 +52,8 @@ def test_only_one_tenant_runs_and_the_order_is_round_robin(start_kiwid, tenants)
     for t in [*ts, idle]:
         k.attach(t.pid)
     wait_for(lambda: sum(t.frozen() for t in ts) == 2, 5, "two of three to be gated")
+    cpu_before = [t.cpu_ticks() for t in ts]
+    held_before = holding(k, ts)
     order: list[str] = []
     samples = 0
     deadline = time.monotonic() + 7
@@ -64,9 +73,14 @@ def test_only_one_tenant_runs_and_the_order_is_round_robin(start_kiwid, tenants)
     assert sorted(cycle) == ["a", "b", "c"]
     assert names == (cycle * 4)[: len(names)], f"not round-robin: {names}"
     assert samples > 50
-    # The frozen ones made no progress while waiting: CPU shares are about equal.
-    ticks = [t.cpu_ticks() for t in ts]
-    assert min(ticks) > 0
+    # Each made progress only while it held the GPU (a frozen one makes none), and
+    # over whole rotations they held it about equally: within one quantum.
+    held = [after - before for after, before in zip(holding(k, ts), held_before, strict=True)]
+    tick_s = os.sysconf("SC_CLK_TCK")
+    cpu = [(t.cpu_ticks() - b) / tick_s for t, b in zip(ts, cpu_before, strict=True)]
+    for name, used, holding_s in zip("abc", cpu, held, strict=True):
+        assert used <= holding_s + 0.3, f"{name} ran {used:.2f} s while holding {holding_s:.2f} s"
+    assert max(held) - min(held) <= 1.0 + 0.3, held
 
 
 def test_holder_that_exits_hands_over_at_once(start_kiwid, tenants) -> None:

@@ -91,17 +91,19 @@ def test_recover_unlocks_what_a_killed_locker_left(cuda_worker, tmp_path: Path) 
     assert locker.stdout is not None
     assert locker.stdout.readline().strip() == "locked"
     state_dir = tmp_path / "state"
-    state_dir.mkdir()
+    state_dir.mkdir(mode=0o700)
+    start = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     (state_dir / "state.json").write_text(
         json.dumps(
             {
-                "version": 1,
+                "version": 2,
                 "gated": {
                     f"pid:{pid}": {
                         "method": "cuda-lock",
                         "cgroup_v2": None,
                         "cgroup_v1_freezer": None,
-                        "pids": [pid],
+                        "cgroup_ids": [None, None],
+                        "pids": [[pid, start]],
                     }
                 },
             }
@@ -122,9 +124,14 @@ def test_recover_unlocks_what_a_killed_locker_left(cuda_worker, tmp_path: Path) 
         env=env,
     )
     assert out.returncode == 0, out.stderr
+    unlocked_at = time.monotonic()  # CLOCK_MONOTONIC: the worker's clock too
     assert lock.state(pid) is cudalock.ProcessState.RUNNING
-    # And the worker makes GPU progress again.
+    # And the worker makes GPU progress again: a step that ended after the unlock
+    # (lines it printed before the lock, still in the pipe, do not count).
     assert cuda_worker.stdout is not None
-    deadline = time.monotonic() + 10
-    while not cuda_worker.stdout.readline().startswith("tick"):
-        assert time.monotonic() < deadline
+    deadline = unlocked_at + 10
+    while True:
+        line = cuda_worker.stdout.readline()
+        if line.startswith("tick") and float(line.split()[1]) > unlocked_at:
+            break
+        assert time.monotonic() < deadline, "no GPU step finished after the unlock"

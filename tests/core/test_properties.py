@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from hypothesis import given, settings
@@ -15,16 +14,12 @@ from kiwid.core.events import (
     FootprintSeen,
     Gate,
     GpusConfigured,
-    SwapFinished,
-    SwapIn,
-    SwapOut,
     TenantAttached,
     TenantDetached,
     Tick,
     Ungate,
 )
-from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
-from kiwid.core.residency import Residency
+from kiwid.core.model import GpuPolicy, Mode, TenantState
 from kiwid.core.scheduler import Scheduler
 from tests.helpers import steps as clock_steps
 
@@ -199,102 +194,3 @@ def test_no_starvation_every_waiter_is_granted_within_bound(
             if run.sched.tenant_state(name) is not S.WAITING:
                 run.feed(ActivitySeen(name))
     assert run.longest_wait <= (n - 1) * tq + 1e-9
-
-
-swap_policies = st.builds(
-    GpuPolicy,
-    tq_s=st.sampled_from([1.0, 5.0, 30.0]),
-    idle_release_s=st.sampled_from([0.5, 5.0]),
-    mode=st.sampled_from([Mode.EXCLUSIVE, Mode.EXCLUSIVE, Mode.AUTO, Mode.OFF]),
-    capacity_bytes=st.just(80 * GiB),
-    reserve_bytes=st.just(GiB),
-    swap=st.sampled_from([SwapMode.CHECKPOINT, SwapMode.AUTO, SwapMode.NONE]),
-)
-swap_steps = steps_with(swap_policies)
-
-
-@dataclass
-class Shell:
-    """Carries out actions like the daemon's engine and checks that memory moves safely.
-
-    Each event's actions are one batch; batches run in order, and what a batch
-    reports back (``SwapFinished``) goes to the core at once while the actions
-    that follow from it queue behind the batch. Swaps succeed or fail as ``fates``
-    say. The model of what is gated and what is in host RAM checks every action
-    against the real world.
-    """
-
-    sched: Scheduler
-    fates: list[bool]
-    now: float = 0.0
-    gated: set[str] = field(default_factory=set)
-    out: set[str] = field(default_factory=set)
-    swaps: int = 0
-    queue: deque[list[Action]] = field(default_factory=deque)
-
-    def feed(self, event: Event) -> None:
-        self._apply(event)
-        while self.queue:
-            self._run(self.queue.popleft())
-        view = self.sched.view(self.now)
-        assert {t.tenant for t in view.tenants if t.residency is Residency.HOST} == self.out
-        for gpu in view.gpus:
-            if gpu.holder is not None:
-                assert gpu.holder not in self.out, f"holder {gpu.holder} in host RAM"
-
-    def _apply(self, event: Event) -> None:
-        if isinstance(event, TenantDetached):
-            self.gated.discard(event.tenant)
-            self.out.discard(event.tenant)
-        actions = self.sched.handle(event, self.now)
-        if actions:
-            self.queue.append(actions)
-
-    def _run(self, batch: list[Action]) -> None:
-        for action in batch:
-            t = action.tenant
-            if t not in self.sched.tenant_ids():
-                continue  # left meanwhile: the engine's action finds nothing to do
-            if isinstance(action, Gate):
-                assert t not in self.gated, f"double gate {action}"
-                self.gated.add(t)
-            elif isinstance(action, SwapOut | SwapIn):
-                assert t in self.gated, f"{action} of a tenant that runs"
-                assert (t in self.out) == isinstance(action, SwapIn), f"{action} twice"
-                ok = self.fates[self.swaps % len(self.fates)]
-                self.swaps += 1
-                if ok:
-                    (self.out.add if isinstance(action, SwapOut) else self.out.discard)(t)
-                direction = "out" if isinstance(action, SwapOut) else "in"
-                self._apply(SwapFinished(t, direction, ok, GiB if ok else 0, 0.5))
-            else:
-                assert isinstance(action, Ungate)
-                assert t in self.gated, f"ungate of an ungated {action}"
-                assert t not in self.out, f"{t} let go while its memory is in host RAM"
-                self.gated.discard(t)
-
-    def pass_time(self, seconds: float) -> None:
-        for step in clock_steps(lambda: self.now, self.sched.next_deadline, seconds):
-            self.now += step
-            self.feed(Tick())
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    st.fixed_dictionaries(dict.fromkeys(GPUS, swap_policies)),
-    openings,
-    st.lists(swap_steps, min_size=10, max_size=80),
-    st.lists(st.booleans(), min_size=1, max_size=8),
-)
-def test_memory_moves_only_while_gated_and_nobody_runs_from_host_ram(
-    initial: dict[str, GpuPolicy],
-    opening: list[Event],
-    script: list[Event | float],
-    fates: list[bool],
-) -> None:
-    shell = Shell(Scheduler(initial), fates)
-    for step in [*opening, *script]:
-        if isinstance(step, float):
-            shell.pass_time(step)
-        else:
-            shell.feed(step)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiwid.adapters import procs
-from kiwid.core.events import Event, TenantAdopted
+from kiwid.core.events import ActivitySeen, Event, TenantAdopted
 from kiwid.daemon.context import Context
 from kiwid.daemon.gates import GateError, TenantGate, ungate_record
 from kiwid.daemon.state import GatedRecord, StateError, StateFile
@@ -150,13 +150,18 @@ def readopt(ctx: Context, poll: Callable[[Context], list[Event]]) -> None:
     previous = ", left gated by a previous kiwid"
     release_all(state, foreign, undo, previous)
     engine.apply([ctx.configured()])
-    engine.apply(poll(ctx))
+    # The first poll attaches the tenants (those in host RAM too). They are adopted
+    # before any activity of this poll is applied: a gated tenant shows none, and
+    # one that does (its gate gone meanwhile) then holds in its turn.
+    first = poll(ctx)
+    engine.apply([e for e in first if not isinstance(e, ActivitySeen)])
     adopted: list[GatedRecord] = []
     gone: list[GatedRecord] = []
     for key, record in state.records.items():
         (adopted if key in engine.tracker.tenants else gone).append(record)
     release_all(state, gone, undo, previous)
     engine.apply([TenantAdopted(r.tenant, r.swapped) for r in adopted])
+    engine.apply([e for e in first if isinstance(e, ActivitySeen)])
     for record in adopted:
         where = "its memory is in host RAM; " if record.swapped else ""
         log.info("Re-adopted %s: %sit waits for its turn", record.tenant, where)

@@ -100,8 +100,8 @@ class Daemon:
         self.should_exit = False
         self.force_exit = False
         self._reasons: list[str] = []
-        self._wake: asyncio.Event | None = None
-        self._forced: asyncio.Event | None = None
+        self._wake = asyncio.Event()  # set to wake the loop early
+        self._forced = asyncio.Event()  # set by a second SIGINT
         self._server: ControlServer | None = None
         self._watcher: ConfigWatcher | None = None
         self._metrics: MetricsServer | None = None
@@ -120,8 +120,7 @@ class Daemon:
         """SIGTERM/SIGINT: ask the loop to stop; a second SIGINT forces."""
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
-            if self._forced is not None:
-                self._forced.set()
+            self._forced.set()
         self.should_exit = True
         self._poke()
 
@@ -135,15 +134,13 @@ class Daemon:
         self._poke()
 
     def _poke(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+        self._wake.set()
 
     # ------------------------------------------------------------ life cycle
 
     async def run(self) -> int:
         """Run until SIGTERM/SIGINT; return the process exit code."""
         loop = asyncio.get_running_loop()
-        self._wake, self._forced = asyncio.Event(), asyncio.Event()
         installed = self._install_signals(loop)
         try:
             try:
@@ -242,7 +239,6 @@ class Daemon:
 
     async def main_loop(self) -> None:
         """Poll, tick, ping and serve until asked to stop."""
-        assert self._wake is not None
         ctx = self.ctx
         next_poll = ctx.clock()
         watchdog_every = ctx.notifier.watchdog_interval_s()
@@ -307,7 +303,8 @@ class Daemon:
 
         def work() -> None:  # a daemon thread: a stuck driver call cannot keep kiwid alive
             kept = recovery.release_all(ctx.state, records, undo)
-            loop.call_soon_threadsafe(_set_result, release, kept)
+            with contextlib.suppress(RuntimeError):  # the loop is gone: kiwid gave up waiting
+                loop.call_soon_threadsafe(_set_result, release, kept)
 
         threading.Thread(target=work, name="kiwid-release", daemon=True).start()
         kept = await self._bounded(release, deadline)
@@ -330,7 +327,6 @@ class Daemon:
 
     async def _bounded(self, awaitable: Any, deadline: float) -> Any:
         """Await ``awaitable`` until ``deadline`` or a forced exit; ``None`` if cut short."""
-        assert self._forced is not None
         task = asyncio.ensure_future(awaitable)
         forced = asyncio.ensure_future(self._forced.wait())
         remaining = max(0.0, deadline - asyncio.get_running_loop().time())

@@ -88,8 +88,6 @@ def _path(raw: Any, key: str) -> str | None:
         raise BadRecord(f"{key} must be a cgroup path or null, not {type(raw).__name__}")
     if not raw.startswith("/") or "\0" in raw or any(part == ".." for part in raw.split("/")):
         raise BadRecord(f"{key} {raw!r} is not an absolute cgroup path")
-    if raw.rstrip("/") == "":
-        raise BadRecord(f"{key} is the root cgroup: kiwid never gates it")
     return raw
 
 
@@ -137,8 +135,10 @@ def parse_record(key: Any, raw: Any) -> GatedRecord:
     swap_method = raw.get("swap_method")
     if swap_method not in (None, *_SWAP_METHODS):
         raise BadRecord(f"unknown swap method {swap_method!r}")
-    if method == "freeze" and v2 is None and v1 is None:
-        raise BadRecord("a frozen tenant's record names no cgroup")
+    if method == "freeze" and all(p is None or p.rstrip("/") == "" for p in (v2, v1)):
+        raise BadRecord(
+            "a frozen tenant's record names no cgroup but the root, which kiwid never gates"
+        )
     return GatedRecord(
         tenant=key,
         method=method,

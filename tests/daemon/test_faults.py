@@ -359,3 +359,16 @@ def test_state_dir_and_its_files_are_for_root_alone(start_kiwid, tenants, workdi
     for name in ("state.json", "sim.json"):
         assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
     assert k.stop(signal.SIGTERM) == 0
+
+
+def test_recover_thaws_a_tenant_recorded_with_the_v1_freezer_root(tenants, workdir) -> None:
+    # A tenant in a cgroup of its own in cgroup2 but in the root of the v1 freezer
+    # hierarchy (hybrid hosts): "/" there only says it has no v1 cgroup of its own.
+    # Found by bench/fault_injection.py.
+    t = tenants("v2-only", busy=False)
+    record = frozen_record(t)
+    record["cgroup_v1_freezer"] = "/"
+    write_state(workdir, {"cgroup:v2-only": record})
+    out = recover(workdir)
+    assert out.returncode == 0, out.stderr
+    assert not t.frozen()

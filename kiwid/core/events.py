@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kiwid.core.model import GpuId, GpuPolicy, TenantId
+from kiwid.core.model import GpuId, GpuPolicy, TenantId, TenantPolicy
 
 # ---------------------------------------------------------------- events
 
@@ -99,6 +99,14 @@ class TenantAdopted:
 
 
 @dataclass(frozen=True)
+class TenantPolicySet:
+    """A tenant's weight, priority, TQ and swap policy (set, or changed)."""
+
+    tenant: TenantId
+    policy: TenantPolicy
+
+
+@dataclass(frozen=True)
 class Admitted:
     """A container was announced to start held (``kubernetes.admission = "hold"``).
 
@@ -131,6 +139,7 @@ Event = (
     | SwapFinished
     | GateFailed
     | TenantAdopted
+    | TenantPolicySet
     | Admitted
     | HostMemorySeen
     | Tick

@@ -23,7 +23,13 @@ class Ledger:
     quanta: int = 0
     """Times it was granted the GPU(s)."""
     preempted: int = 0
-    """Times its quantum ended because someone waited."""
+    """Times it was preempted: its quantum ended and someone waited, or a tenant of a
+    higher priority wanted its GPU (``preempted_priority`` of them)."""
+    preempted_priority: int = 0
+    entitled_s: float = 0.0
+    """GPU time it was entitled to: ``weight / sum of weights`` of the bursting
+    tenants of its priority class on its GPUs, while its class was the highest
+    bursting there (received time is ``holding``)."""
     early_releases: int = 0
     """Times it yielded before its quantum ended, for lack of GPU work."""
     swapped_out_bytes: int = 0
@@ -35,8 +41,13 @@ class Ledger:
         """Book the time from ``since`` to ``now`` to ``state``."""
         self.seconds[state] += max(0.0, now - since)
 
-    def view(self, state: TenantState, since: float, now: float) -> LedgerView:
-        """Return a snapshot that includes the time in the current ``state``."""
+    def view(
+        self, state: TenantState, since: float, now: float, entitled_s: float | None = None
+    ) -> LedgerView:
+        """Return a snapshot that includes the time in the current ``state``.
+
+        ``entitled_s`` is the entitlement up to ``now`` (default: as booked).
+        """
         seconds = dict(self.seconds)
         seconds[state] += max(0.0, now - since)
         return LedgerView(
@@ -47,6 +58,8 @@ class Ledger:
             quanta=self.quanta,
             preempted=self.preempted,
             early_releases=self.early_releases,
+            preempted_priority=self.preempted_priority,
+            entitled_s=self.entitled_s if entitled_s is None else entitled_s,
             swapped_out_bytes=self.swapped_out_bytes,
             swapped_in_bytes=self.swapped_in_bytes,
             swap_s=self.swap_s,
@@ -67,6 +80,8 @@ class LedgerView:
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
     swap_s: float = 0.0
+    preempted_priority: int = 0
+    entitled_s: float = 0.0
 
     @property
     def total_s(self) -> float:

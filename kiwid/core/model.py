@@ -34,6 +34,45 @@ class SwapMode(enum.StrEnum):
     """Memory goes to host RAM only when the next tenant would not fit beside it."""
 
 
+class TenantSwap(enum.StrEnum):
+    """Whether a tenant's memory may be swapped to host RAM (per tenant, ``swap``)."""
+
+    ALLOW = "allow"
+    """As the GPU's ``memory.swap`` says."""
+    NEVER = "never"
+    """Never: its memory stays on the card (a latency-critical tenant)."""
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """How one tenant is scheduled, as the shell resolved it (rules, annotations, kiwictl).
+
+    Attributes:
+        weight: Its quantum is ``TQ x weight``; with everyone saturating, long-run
+            shares are ``weight / sum of weights`` within its priority class (> 0).
+        priority: Higher first: a higher class preempts a lower holder and lower
+            classes wait while a higher one bursts.
+        tq_s: Its own TQ in seconds (``None``: the GPU's).
+        swap: Whether its memory may go to host RAM.
+    """
+
+    weight: float = 1.0
+    priority: int = 0
+    tq_s: float | None = None
+    swap: TenantSwap = TenantSwap.ALLOW
+
+    def __post_init__(self) -> None:
+        """Reject values the scheduler cannot honour.
+
+        Raises:
+            ValueError: a weight or TQ that is not a finite number > 0.
+        """
+        if not 0 < self.weight < float("inf"):
+            raise ValueError(f"weight must be > 0, not {self.weight}")
+        if self.tq_s is not None and not 0 < self.tq_s < float("inf"):
+            raise ValueError(f"tq_s must be > 0, not {self.tq_s}")
+
+
 class TenantState(enum.StrEnum):
     """Where a tenant stands. Only ``WAITING`` tenants are gated."""
 
@@ -60,6 +99,10 @@ class GpuPolicy:
         reserve_bytes: Memory kept free in ``auto``'s fit test and when swapping
             (driver, context overheads).
         swap: Whether and when waiting tenants' memory is swapped to host RAM.
+        preempt_after_s: Seconds of a holder's quantum after which a waiting tenant
+            of a higher priority preempts it (0: at once).
+        max_wait_s: The longest a tenant waits behind higher priority classes
+            before it gets one quantum all the same (``None``: no bound).
     """
 
     tq_s: float = 30.0
@@ -68,12 +111,15 @@ class GpuPolicy:
     capacity_bytes: int = 80 * 2**30
     reserve_bytes: int = 2**30
     swap: SwapMode = SwapMode.NONE
+    preempt_after_s: float = 0.0
+    max_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         """Reject values the scheduler cannot honour.
 
         Raises:
-            ValueError: a non-positive TQ, a negative idle release or memory size.
+            ValueError: a non-positive TQ, a negative idle release, memory size or
+                preemption delay, or a non-positive max wait.
         """
         if not self.tq_s > 0:
             raise ValueError(f"tq_s must be > 0, not {self.tq_s}")
@@ -81,3 +127,7 @@ class GpuPolicy:
             raise ValueError(f"idle_release_s must be > 0, not {self.idle_release_s}")
         if self.capacity_bytes < 0 or self.reserve_bytes < 0:
             raise ValueError("capacity_bytes and reserve_bytes must be >= 0")
+        if not self.preempt_after_s >= 0:
+            raise ValueError(f"preempt_after_s must be >= 0, not {self.preempt_after_s}")
+        if self.max_wait_s is not None and not self.max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be > 0, not {self.max_wait_s}")

@@ -57,6 +57,9 @@ def reconcile(
             gpus |= t.gpus
     gating = table.gating(gpus)
     among.sort(key=lambda t: t.seq)
+    for t in among:  # entitlements up to now, at the rates the last pass set
+        t.ledger.entitled_s = t.entitled(now)
+        t.accounted_at = now
     # 1. Early release: bursts that went quiet.
     for t in among:
         if t.running and now >= table.idle_at(t):
@@ -83,12 +86,17 @@ def reconcile(
             table.gate(t, actions)
         else:
             held |= mine
-    # 3. Preemption: quantum over and someone waits.
+    # 3. A waiter that waited max_wait behind higher classes is first for one quantum.
+    for t in among:
+        limit = _max_wait(table, t, gating)
+        if t.state is S.WAITING and limit is not None and now - t.state_since >= limit:
+            t.boosted = True
+    # 3b. Preemption: quantum over and someone waits, or a higher class waits.
     wanted = table.wanted(gating, among)
     for t in [t for t in among if t.state is S.HOLDER]:
-        deadline = table.preempt_at(t, gating, wanted)
-        if deadline is not None and now >= deadline:
-            table.requeue(t, Trigger.PREEMPTED, now)
+        due = table.preempt_at(t, gating, wanted)
+        if due is not None and now >= due[0]:
+            _preempt(table, t, due[1], gating=gating, among=among, now=now)
             table.gate(t, actions)
     among.sort(key=lambda t: t.seq)
     # 4. Grants, first come first served, all GPUs or none.
@@ -130,7 +138,72 @@ def reconcile(
             and any(table.policies[g].swap is SwapMode.CHECKPOINT for g in t.gpus & gating)
         ):
             _swap_out(table, t, actions)
+    _entitle(table, gating, among)
     _update_deadlines(table, gating, among, scope)
+
+
+def _max_wait(table: TenantTable, t: TenantRecord, gating: frozenset[GpuId]) -> float | None:
+    """The longest ``t`` may wait on its gated GPUs before it is boosted (``None``: any)."""
+    limits = [table.policies[g].max_wait_s for g in t.gpus & gating]
+    bounded = [limit for limit in limits if limit is not None]
+    return min(bounded) if bounded else None
+
+
+def _preempt(
+    table: TenantTable,
+    t: TenantRecord,
+    reason: str,
+    *,
+    gating: frozenset[GpuId],
+    among: list[TenantRecord],
+    now: float,
+) -> None:
+    """A holder yields, and goes back to its class's queue.
+
+    At its quantum's end it goes to the back; for a higher class, to the front,
+    with the rest of its quantum.
+    """
+    mine = t.gpus & gating
+    by = max(
+        (o for o in among if o.state is S.WAITING and o.gpus & mine),
+        key=lambda o: (o.rank, -o.seq),
+        default=None,
+    )
+    if reason == "priority" and t.granted_at is not None:
+        rest = table.quantum(t, mine) - (now - t.granted_at)
+        table.set_state(t, Trigger.PREEMPTED_PRIORITY, now)
+        t.granted_at = None
+        t.seq = table.front_seq()
+        t.remaining_s = rest if rest > 0 else None
+    else:
+        table.requeue(t, Trigger.PREEMPTED, now)
+    t.last_preemption = (now, reason, by.id if by else None)
+
+
+def _entitle(table: TenantTable, gating: frozenset[GpuId], among: list[TenantRecord]) -> None:
+    """Set each tenant's entitled share of GPU time from now.
+
+    On each of its gated GPUs: its weight over the weights of the bursting tenants
+    of the highest class there (0 outside that class); the least of its GPUs'
+    shares (it needs them all).
+    """
+    top: dict[GpuId, tuple[int, float]] = {}
+    for t in among:
+        if t.state in (S.HOLDER, S.WAITING):
+            for gpu in t.gpus & gating:
+                priority, weights = top.get(gpu, (t.policy.priority, 0.0))
+                if t.policy.priority > priority:
+                    priority, weights = t.policy.priority, 0.0
+                if t.policy.priority == priority:
+                    weights += t.policy.weight
+                top[gpu] = (priority, weights)
+    for t in among:
+        rates = [
+            t.policy.weight / top[g][1] if top[g][0] == t.policy.priority else 0.0
+            for g in t.gpus & gating
+            if g in top
+        ]
+        t.entitled_rate = min(rates) if t.state in (S.HOLDER, S.WAITING) and rates else 0.0
 
 
 def _grant(table: TenantTable, t: TenantRecord, now: float) -> None:
@@ -284,9 +357,10 @@ def _prefetch(
     """
     if holder.state is not S.HOLDER or holder.gated:
         return None
-    preempt = table.preempt_at(holder, gating)
-    if preempt is None:
+    due = table.preempt_at(holder, gating)
+    if due is None:
         return None
+    preempt = due[0]
     gpus = holder.gpus & gating
     nxt = next((t for t in queue if t.gpus & gpus and t.state is S.WAITING), None)
     if (
@@ -344,11 +418,14 @@ def _update_deadlines(
             for timer in (t.retry_at, t.adopting_until):
                 if timer > now:
                     wake(t, timer)
+            limit = _max_wait(table, t, gating)
+            if t.state is S.WAITING and not t.boosted and limit is not None:
+                wake(t, t.state_since + limit)
         if not t.running:
             continue
         deadline = table.idle_at(t)
         if t.state is S.HOLDER:
-            preempt = table.preempt_at(t, gating, wanted)
-            if preempt is not None:
-                deadline = min(deadline, preempt)
+            due = table.preempt_at(t, gating, wanted)
+            if due is not None:
+                deadline = min(deadline, due[0])
         wake(t, deadline)

@@ -55,6 +55,7 @@ from kiwid.core.events import (
     TenantAdopted,
     TenantAttached,
     TenantDetached,
+    TenantPolicySet,
     Tick,
 )
 from kiwid.core.ledger import LedgerView
@@ -145,6 +146,11 @@ class Scheduler:
                     tenant.gate_failure = reason
             case TenantAdopted(tenant=tid, swapped=swapped):
                 scope = self._adopt(tid, swapped, now)
+            case TenantPolicySet(tenant=tid, policy=tenant_policy):
+                tenant = table.tenants.get(tid)
+                if tenant is not None and tenant.policy != tenant_policy:
+                    tenant.policy = tenant_policy
+                    scope = set(tenant.gpus)
             case Admitted(tenant=tid):
                 tenant = table.tenants.get(tid)
                 if tenant is not None and tenant.state is S.IDLE and self.would_wait(tid):
@@ -186,7 +192,7 @@ class Scheduler:
     def ledger(self, tenant: TenantId, now: float) -> LedgerView | None:
         """Return one tenant's ledger at ``now`` (``None``: unknown tenant)."""
         t = self._t.tenants.get(tenant)
-        return None if t is None else t.ledger.view(t.state, t.state_since, now)
+        return None if t is None else t.ledger.view(t.state, t.state_since, now, t.entitled(now))
 
     def policies(self) -> dict[GpuId, GpuPolicy]:
         """Return the policy in force on every managed GPU."""
@@ -247,7 +253,7 @@ class Scheduler:
                     gating=gpu in gating,
                     holder=holder.id if holder else None,
                     holder_since=holder.granted_at if holder else None,
-                    preempt_at=table.preempt_at(holder, gating) if holder else None,
+                    preempt_at=_due(table.preempt_at(holder, gating)) if holder else None,
                     waiters=tuple(
                         WaiterView(t.id, t.state_since, position)
                         for position, t in enumerate(waiters, start=1)
@@ -263,7 +269,7 @@ class Scheduler:
                 gpus=t.gpus,
                 last_active=t.last_active,
                 footprint=dict(t.footprint),
-                ledger=t.ledger.view(t.state, t.state_since, now),
+                ledger=t.ledger.view(t.state, t.state_since, now, t.entitled(now)),
                 resident=t.residency.on_card,
                 peak=dict(t.peak),
                 residency=t.residency,
@@ -271,6 +277,11 @@ class Scheduler:
                 waiting_for=_waiting_for(t, now),
                 swap_refusal=t.swap_refusal,
                 gate_failure=t.gate_failure,
+                policy=t.policy,
+                quantum_s=table.quantum(t, t.gpus & gating) if t.gpus & gating else None,
+                boosted=t.boosted,
+                entitled_share=t.entitled_rate,
+                last_preemption=t.last_preemption,
             )
             for t in sorted(table.tenants.values(), key=lambda t: t.id)
         )
@@ -380,6 +391,10 @@ def _waiting_for(tenant: TenantRecord, now: float) -> str | None:
     if tenant.residency.moving:
         return f"its memory is moving ({tenant.residency.value})"
     return None
+
+
+def _due(preempt: tuple[float, str] | None) -> float | None:
+    return None if preempt is None else preempt[0]
 
 
 def _gpu_sort_key(gpu: GpuId) -> tuple[int, str]:

@@ -24,6 +24,7 @@ class Trigger(enum.StrEnum):
     BURST_UNGATED = "burst starts on GPUs that are not gated now"
     GRANTED = "its turn: every GPU it needs is free and nobody ahead claims them"
     PREEMPTED = "quantum over and someone waits"
+    PREEMPTED_PRIORITY = "a tenant of a higher priority waits for its GPU"
     IDLE_TIMEOUT = "no GPU work for idle_release seconds"
     GATING_STOPPED = "its GPUs stopped gating (mode off, or auto and it all fits)"
     GATING_STARTED = "its GPUs started gating (mode exclusive, or auto and it no longer fits)"
@@ -45,6 +46,7 @@ TRANSITIONS: dict[tuple[TenantState, Trigger], TenantState] = {
     (S.WAITING, T.GRANTED): S.HOLDER,
     (S.WAITING, T.GATING_STOPPED): S.CORUNNING,
     (S.HOLDER, T.PREEMPTED): S.WAITING,
+    (S.HOLDER, T.PREEMPTED_PRIORITY): S.WAITING,
     (S.HOLDER, T.IDLE_TIMEOUT): S.IDLE,
     (S.HOLDER, T.GATING_STOPPED): S.CORUNNING,
     (S.CORUNNING, T.IDLE_TIMEOUT): S.IDLE,

@@ -57,6 +57,7 @@ class TenantTable:
         self.restore_rate: dict[GpuId, float] = {}  # bytes/s, smoothed, per GPU
         self.host = HostMemory()
         self._seq = itertools.count()
+        self._front = itertools.count(-1, -1)
         self._claims = itertools.count()
 
     # ------------------------------------------------------------ membership
@@ -64,6 +65,10 @@ class TenantTable:
     def next_seq(self) -> int:
         """A new queue position, after every one drawn before (FIFO)."""
         return next(self._seq)
+
+    def front_seq(self) -> int:
+        """A queue position before every one drawn so far (front of its class)."""
+        return next(self._front)
 
     def next_claim(self) -> int:
         """A new claim order, after every one drawn before."""
@@ -139,13 +144,17 @@ class TenantTable:
     def queue(
         self, gating: frozenset[GpuId], among: Iterable[TenantRecord] | None = None
     ) -> list[TenantRecord]:
-        """Tenants that want gated GPUs they do not hold, first come first."""
+        """Tenants that want gated GPUs they do not hold, in the order they are served.
+
+        The highest class first, each class first come first (a tenant preempted
+        for a higher class at its front).
+        """
         wanting = [
             t
             for t in (self.tenants.values() if among is None else among)
             if t.state in (S.WAITING, S.CORUNNING) and t.gpus & gating
         ]
-        return sorted(wanting, key=lambda t: t.seq)
+        return sorted(wanting, key=lambda t: (-t.rank, t.seq))
 
     def claimed(
         self,
@@ -164,32 +173,69 @@ class TenantTable:
                 claimed |= t.gpus & gating
         return claimed
 
-    def wanted(self, gating: frozenset[GpuId], among: Iterable[TenantRecord]) -> set[GpuId]:
-        """Gated GPUs that a waiting or co-running tenant wants."""
-        wanted: set[GpuId] = set()
+    def wanted(
+        self, gating: frozenset[GpuId], among: Iterable[TenantRecord]
+    ) -> dict[GpuId, tuple[float, int]]:
+        """Gated GPUs that a waiting or co-running tenant wants, with what it weighs.
+
+        Per GPU: the highest rank and the highest priority among those that may be
+        granted now (a retry or a re-adoption waits aside and contests nothing).
+        """
+        wanted: dict[GpuId, tuple[float, int]] = {}
+        now = self.now
         for t in among:
-            if t.state in (S.WAITING, S.CORUNNING):
-                wanted |= t.gpus & gating
+            if (
+                t.state in (S.WAITING, S.CORUNNING)
+                and t.retry_at <= now
+                and t.adopting_until <= now
+            ):
+                for gpu in t.gpus & gating:
+                    rank, priority = wanted.get(gpu, (-math.inf, t.policy.priority))
+                    wanted[gpu] = (max(rank, t.rank), max(priority, t.policy.priority))
         return wanted
+
+    def quantum(self, holder: TenantRecord, gpus: Iterable[GpuId]) -> float:
+        """Its quantum on ``gpus``, in seconds.
+
+        The rest of one a higher class cut short, else its TQ (its own, or the
+        shortest of the GPUs') times its weight.
+        """
+        if holder.remaining_s is not None:
+            return holder.remaining_s
+        tq = holder.policy.tq_s
+        if tq is None:
+            tq = min((self.policies[g].tq_s for g in gpus if g in self.policies), default=30.0)
+        return tq * holder.policy.weight
 
     def preempt_at(
         self,
         holder: TenantRecord,
         gating: frozenset[GpuId],
-        wanted: set[GpuId] | None = None,
-    ) -> float | None:
-        """When ``holder`` must yield: quantum start + the shortest TQ of its contested GPUs.
+        wanted: dict[GpuId, tuple[float, int]] | None = None,
+    ) -> tuple[float, str] | None:
+        """When ``holder`` must yield, and why (``quantum`` or ``priority``).
 
-        ``wanted`` are the gated GPUs that waiters want (computed if not given).
+        At the end of its quantum if one who ranks as high waits for one of its
+        GPUs (a lower class waits while it bursts, unless ``max_wait`` boosted it);
+        ``preempt_after`` into its quantum if one of a higher priority waits.
+        ``wanted``: what waits per gated GPU (computed if not given).
         """
         if holder.granted_at is None:
             return None  # its quantum has not begun (its memory is coming back)
         if wanted is None:
             wanted = self.wanted(gating, self.closure(set(holder.gpus)))
-        contested = holder.gpus & gating & wanted
-        if not contested:
-            return None
-        return holder.granted_at + min(self.policies[g].tq_s for g in contested)
+        mine = [g for g in holder.gpus & gating if g in wanted]
+        due: tuple[float, str] | None = None
+        # A boosted holder's one quantum is over when anyone waits.
+        contested = [g for g in mine if holder.boosted or wanted[g][0] >= holder.rank]
+        if contested:
+            due = (holder.granted_at + self.quantum(holder, contested), "quantum")
+        higher = [g for g in mine if wanted[g][1] > holder.policy.priority]
+        if higher and not holder.boosted:
+            after = holder.granted_at + min(self.policies[g].preempt_after_s for g in higher)
+            if due is None or after < due[0]:
+                due = (after, "priority")
+        return due
 
     def idle_at(self, tenant: TenantRecord) -> float:
         """When a running holder or co-runner without further activity goes idle."""
@@ -208,16 +254,23 @@ class TenantTable:
         new = transition(tenant.state, trigger)
         ledger = tenant.ledger
         ledger.close(tenant.state, tenant.state_since, now)
-        if tenant.state is S.HOLDER and tenant.granted_at is not None:
+        leaving_hold = tenant.state is S.HOLDER
+        if leaving_hold and tenant.granted_at is not None:
             tenant.known = True  # one hold seen: its peak is its working set
         if new is S.HOLDER:
             ledger.quanta += 1
             tenant.last_run = now
             tenant.claim = self.next_claim()
-        elif trigger is Trigger.PREEMPTED:
+        elif trigger in (Trigger.PREEMPTED, Trigger.PREEMPTED_PRIORITY):
             ledger.preempted += 1
-        elif trigger is Trigger.IDLE_TIMEOUT and tenant.state is S.HOLDER:
+            if trigger is Trigger.PREEMPTED_PRIORITY:
+                ledger.preempted_priority += 1
+        elif trigger is Trigger.IDLE_TIMEOUT and leaving_hold:
             ledger.early_releases += 1
+        if leaving_hold:
+            tenant.boosted = False  # a boost is worth one quantum
+            if trigger is not Trigger.PREEMPTED_PRIORITY:
+                tenant.remaining_s = None
         self.transitions.append(Transition(tenant.id, tenant.state, new, trigger, now))
         tenant.state = new
         tenant.state_since = now

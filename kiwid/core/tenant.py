@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kiwid.core.ledger import Ledger
-from kiwid.core.model import GpuId, TenantId, TenantState
+from kiwid.core.model import GpuId, TenantId, TenantPolicy, TenantState, TenantSwap
 from kiwid.core.residency import Residency
 
 S = TenantState
@@ -57,6 +57,18 @@ class TenantRecord:
     """Why its last gate did not take: it runs on, so its memory must not move."""
     waiting_for: str | None = None
     """Why a gated tenant is not let go although nothing is ahead of it."""
+    policy: TenantPolicy = field(default_factory=TenantPolicy)
+    """Its weight, priority, own TQ and swap policy."""
+    remaining_s: float | None = None
+    """The rest of its quantum, kept when a higher priority preempted it."""
+    boosted: bool = False
+    """It waited ``max_wait`` behind higher classes: first in line for one quantum."""
+    last_preemption: tuple[float, str, TenantId | None] | None = None
+    """When it was last preempted, why (``quantum`` or ``priority``), and for whom."""
+    entitled_rate: float = 0.0
+    """Its entitled share of GPU time now (0 unless its class bursts highest)."""
+    accounted_at: float = 0.0
+    """Until when ``ledger.entitled_s`` is booked."""
     ledger: Ledger = field(default_factory=Ledger)
 
     @property
@@ -77,7 +89,20 @@ class TenantRecord:
     @property
     def movable(self) -> bool:
         """Whether its memory may be swapped out now (gated or about to be, no refusal)."""
-        return self.swap_refusal is None and self.gate_failure is None
+        return (
+            self.swap_refusal is None
+            and self.gate_failure is None
+            and self.policy.swap is TenantSwap.ALLOW
+        )
+
+    @property
+    def rank(self) -> float:
+        """Its place among priority classes: its priority, or first once boosted."""
+        return float("inf") if self.boosted else float(self.policy.priority)
+
+    def entitled(self, now: float) -> float:
+        """Its entitled GPU seconds up to ``now``."""
+        return self.ledger.entitled_s + self.entitled_rate * max(0.0, now - self.accounted_at)
 
     def size(self, gpu: GpuId) -> int:
         """The memory it takes on ``gpu`` when on the card."""

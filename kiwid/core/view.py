@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiwid.core.ledger import LedgerView
-from kiwid.core.model import GpuId, GpuPolicy, TenantId, TenantState
+from kiwid.core.model import GpuId, GpuPolicy, TenantId, TenantPolicy, TenantState
 from kiwid.core.residency import Residency
 
 
@@ -62,6 +62,16 @@ class TenantView:
     """Why its memory may not be moved for now."""
     gate_failure: str | None = None
     """Why its last gate did not take (it runs on)."""
+    policy: TenantPolicy = field(default_factory=TenantPolicy)
+    """Its weight, priority, own TQ and swap policy."""
+    quantum_s: float | None = None
+    """Its quantum on its GPUs now (the rest of one, after a higher class cut it)."""
+    boosted: bool = False
+    """It waited ``max_wait``: first in line (or holding) for one quantum."""
+    entitled_share: float = 0.0
+    """Its entitled share of its GPUs now (0 unless its class bursts highest there)."""
+    last_preemption: tuple[float, str, TenantId | None] | None = None
+    """When it was last preempted (monotonic s), why, and for whom."""
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,11 @@ from kiwid.core.events import (
     GpusConfigured,
     TenantAttached,
     TenantDetached,
+    TenantPolicySet,
     Tick,
     Ungate,
 )
-from kiwid.core.model import GpuPolicy, Mode, TenantState
+from kiwid.core.model import GpuPolicy, Mode, TenantPolicy, TenantState
 from kiwid.core.scheduler import Scheduler
 from tests.helpers import steps as clock_steps
 
@@ -35,6 +36,8 @@ policies = st.builds(
     mode=st.sampled_from(list(Mode)),
     capacity_bytes=st.just(80 * GiB),
     reserve_bytes=st.just(GiB),
+    preempt_after_s=st.sampled_from([0.0, 0.0, 3.0]),
+    max_wait_s=st.sampled_from([None, None, 20.0]),
 )
 gpu_sets = st.frozensets(st.sampled_from(GPUS), min_size=1, max_size=3)
 tenants = st.sampled_from(TENANTS)
@@ -59,6 +62,16 @@ def steps_with(gpu_policies: st.SearchStrategy[GpuPolicy]) -> st.SearchStrategy[
             st.integers(0, 60).map(lambda g: g * GiB),
         ),
         st.builds(GpusConfigured, st.fixed_dictionaries(dict.fromkeys(GPUS, gpu_policies))),
+        st.builds(
+            TenantPolicySet,
+            tenants,
+            st.builds(
+                TenantPolicy,
+                weight=st.sampled_from([0.5, 1.0, 3.0]),
+                priority=st.integers(0, 2),
+                tq_s=st.sampled_from([None, None, 2.0]),
+            ),
+        ),
         st.floats(0.01, 40.0),  # time passes
         st.floats(0.01, 40.0),
     )

@@ -26,6 +26,7 @@ def test_only_waiting_is_reached_by_gating_triggers() -> None:
     gating = {
         Trigger.BURST_BUSY,
         Trigger.PREEMPTED,
+        Trigger.PREEMPTED_PRIORITY,
         Trigger.GATING_STARTED,
         Trigger.SWAPPED_OUT,  # gated to be swapped out
         Trigger.SWAP_IN_FAILED,  # never let go: its memory is still in host RAM

@@ -30,9 +30,10 @@ from kiwid.core.events import (
     SwapFinished,
     TenantAttached,
     TenantDetached,
+    TenantPolicySet,
     Tick,
 )
-from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
+from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantPolicy, TenantState, TenantSwap
 from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler
 from kiwid.daemon.effects import Effects
@@ -96,10 +97,11 @@ class Harness:
             if gone is None:
                 return
             self.tracker.gone[event.tenant] = gone
-        elif isinstance(event, FootprintSeen | ActivitySeen):
+        elif isinstance(event, FootprintSeen | ActivitySeen | TenantPolicySet):
             info = self.tracker.tenants.get(event.tenant)
             if info is None or (isinstance(event, FootprintSeen) and event.gpu not in info.gpus):
                 return
+
         self.engine.apply([event])
 
     # ---- jobs out ------------------------------------------------------------
@@ -207,6 +209,16 @@ events = st.one_of(
     ),
     st.builds(GpusConfigured, st.fixed_dictionaries(dict.fromkeys(GPUS, policies))),
     st.builds(GateFailed, tenants, st.just("the freezer timed out")),
+    st.builds(
+        TenantPolicySet,
+        tenants,
+        st.builds(
+            TenantPolicy,
+            weight=st.sampled_from([0.5, 1.0, 2.0]),
+            priority=st.integers(0, 2),
+            swap=st.sampled_from(list(TenantSwap)),
+        ),
+    ),
 )
 # Either an event, with the order in which the jobs it causes finish, or time passing
 # while some tenants are busy (they show activity whenever they are let go).

@@ -70,6 +70,8 @@ __all__ = ["Scheduler", "Transition"]
 
 S = TenantState
 R = Residency
+_TIME_OR_MEMORY = frozenset({Tick, SwapFinished, HostMemorySeen, GateFailed})
+"""Events after which entitlements change only if a tenant changed state."""
 
 
 class Scheduler:
@@ -149,7 +151,7 @@ class Scheduler:
             case TenantPolicySet(tenant=tid, policy=tenant_policy):
                 tenant = table.tenants.get(tid)
                 if tenant is not None and tenant.policy != tenant_policy:
-                    tenant.policy = tenant_policy
+                    tenant.set_policy(tenant_policy)
                     scope = set(tenant.gpus)
             case Admitted(tenant=tid):
                 tenant = table.tenants.get(tid)
@@ -164,7 +166,8 @@ class Scheduler:
             case Tick():
                 scope = {g for g, d in table.deadlines.items() if d <= now}
         if scope is None or scope:
-            rotation.reconcile(table, now, actions, scope)
+            members_changed = kind not in _TIME_OR_MEMORY
+            rotation.reconcile(table, now, actions, scope, members_changed=members_changed)
         return actions
 
     def next_deadline(self) -> float | None:

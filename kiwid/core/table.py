@@ -56,6 +56,8 @@ class TenantTable:
         self.deadlines: dict[GpuId, float] = {}
         self.restore_rate: dict[GpuId, float] = {}  # bytes/s, smoothed, per GPU
         self.host = HostMemory()
+        self.changes = 0
+        """Bumped by every state change: a pass that saw none can reuse what it counted."""
         self._seq = itertools.count()
         self._front = itertools.count(-1, -1)
         self._claims = itertools.count()
@@ -184,14 +186,20 @@ class TenantTable:
         wanted: dict[GpuId, tuple[float, int]] = {}
         now = self.now
         for t in among:
-            if (
-                t.state in (S.WAITING, S.CORUNNING)
-                and t.retry_at <= now
-                and t.adopting_until <= now
-            ):
-                for gpu in t.gpus & gating:
-                    rank, priority = wanted.get(gpu, (-math.inf, t.policy.priority))
-                    wanted[gpu] = (max(rank, t.rank), max(priority, t.policy.priority))
+            state = t.state
+            if state is not S.WAITING and state is not S.CORUNNING:
+                continue
+            if t.retry_at > now or t.adopting_until > now:
+                continue
+            rank, priority = t.rank, t.policy.priority
+            for gpu in t.gpus:
+                if gpu not in gating:
+                    continue
+                known = wanted.get(gpu)
+                if known is None:
+                    wanted[gpu] = (rank, priority)
+                elif rank > known[0] or priority > known[1]:
+                    wanted[gpu] = (rank if rank > known[0] else known[0], max(priority, known[1]))
         return wanted
 
     def quantum(self, holder: TenantRecord, gpus: Iterable[GpuId]) -> float:
@@ -268,10 +276,12 @@ class TenantTable:
         elif trigger is Trigger.IDLE_TIMEOUT and leaving_hold:
             ledger.early_releases += 1
         if leaving_hold:
-            tenant.boosted = False  # a boost is worth one quantum
+            if tenant.boosted:
+                tenant.set_boost(False)  # a boost is worth one quantum
             if trigger is not Trigger.PREEMPTED_PRIORITY:
                 tenant.remaining_s = None
         self.transitions.append(Transition(tenant.id, tenant.state, new, trigger, now))
+        self.changes += 1
         tenant.state = new
         tenant.state_since = now
 

@@ -61,6 +61,9 @@ class TenantRecord:
     """Its weight, priority, own TQ and swap policy."""
     remaining_s: float | None = None
     """The rest of its quantum, kept when a higher priority preempted it."""
+    rank: float = 0.0
+    """Its place among priority classes: its priority, or first (infinity) once
+    boosted. Kept by :meth:`set_policy` and :meth:`set_boost`."""
     boosted: bool = False
     """It waited ``max_wait`` behind higher classes: first in line for one quantum."""
     last_preemption: tuple[float, str, TenantId | None] | None = None
@@ -95,10 +98,15 @@ class TenantRecord:
             and self.policy.swap is TenantSwap.ALLOW
         )
 
-    @property
-    def rank(self) -> float:
-        """Its place among priority classes: its priority, or first once boosted."""
-        return float("inf") if self.boosted else float(self.policy.priority)
+    def set_policy(self, policy: TenantPolicy) -> None:
+        """Take a new policy (its rank follows)."""
+        self.policy = policy
+        self.rank = float("inf") if self.boosted else float(policy.priority)
+
+    def set_boost(self, boosted: bool) -> None:
+        """Boost it (first in line for one quantum) or end its boost."""
+        self.boosted = boosted
+        self.rank = float("inf") if boosted else float(self.policy.priority)
 
     def entitled(self, now: float) -> float:
         """Its entitled GPU seconds up to ``now``."""

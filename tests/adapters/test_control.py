@@ -30,9 +30,8 @@ from kiwid.adapters.control import (
     peer_of,
     request,
 )
+from tests.readable import kiwid_copy
 
-REPO = Path(__file__).resolve().parents[2]
-CONTROL_PY = REPO / "kiwid" / "adapters" / "control.py"
 NOBODY = 65534
 ADMIN_GID = 4242  # any gid works: membership is what the kernel reports, no group entry needed
 FORBIDDEN = "changing the scheduler needs root or membership of group 'kiwi' (you are uid 65534)"
@@ -482,6 +481,11 @@ def test_peer_of_reads_kernel_credentials() -> None:
     assert set(os.getgroups()) | {os.getegid()} == peer.groups
 
 
+def control_py() -> Path:
+    """control.py where uid nobody can read it (the checkout may be under /root)."""
+    return kiwid_copy() / "kiwid" / "adapters" / "control.py"
+
+
 NOBODY_CLIENT = """
 import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("kiwi_control", sys.argv[1])
@@ -519,7 +523,7 @@ def as_nobody(
     ids = {"group": NOBODY, "extra_groups": [], **ids}
     extra = [json.dumps(args or {})]
     proc = subprocess.run(
-        [nobody_python(), "-I", "-c", NOBODY_CLIENT, str(CONTROL_PY), str(path), cmd, *extra],
+        [nobody_python(), "-I", "-c", NOBODY_CLIENT, str(control_py()), str(path), cmd, *extra],
         user=NOBODY,
         cwd="/",
         capture_output=True,

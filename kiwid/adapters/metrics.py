@@ -99,6 +99,8 @@ _GPU_FAMILIES = (
     ),
 )
 HANDOVER = "kiwi_handover_duration_seconds"
+# Families whose series are NAME_bucket, NAME_sum and NAME_count.
+HISTOGRAM_FAMILIES = (HANDOVER,)
 # Every metric family kiwid exports besides prometheus_client's process_* ones: what
 # the shipped Prometheus rules and Grafana dashboard may query (a test checks them).
 METRIC_FAMILIES: tuple[str, ...] = (

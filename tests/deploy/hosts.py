@@ -100,18 +100,21 @@ def debian_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
-def cache_key() -> str:
-    text = json.dumps([SUITE, sorted(PACKAGES), PREPARE_VERSION])
+def cache_key(extra: tuple[str, ...] = ()) -> str:
+    packages = sorted({*PACKAGES, *extra})
+    text = json.dumps([SUITE, packages, PREPARE_VERSION])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def ensure_rootfs(log: Callable[[str], None] = print) -> Path:
+def ensure_rootfs(log: Callable[[str], None] = print, extra: tuple[str, ...] = ()) -> Path:
     """Return the cached root file system, building it first on a cache miss.
 
-    A lock file serialises concurrent builders; the tree is built next to its final
-    place and renamed into it, so a half-built tree is never used.
+    ``extra`` adds Debian packages to :data:`PACKAGES` (a tree of its own in the
+    cache). A lock file serialises concurrent builders; the tree is built next to
+    its final place and renamed into it, so a half-built tree is never used.
     """
-    base = CACHE_ROOT / cache_key()
+    packages = sorted({*PACKAGES, *extra})
+    base = CACHE_ROOT / cache_key(extra)
     root = base / "root"
     if (base / "complete").exists():
         return root
@@ -130,7 +133,7 @@ def ensure_rootfs(log: Callable[[str], None] = print) -> Path:
                 [
                     "debootstrap",
                     "--variant=minbase",
-                    f"--include={','.join(PACKAGES)}",
+                    f"--include={','.join(packages)}",
                     SUITE,
                     str(tree),
                     mirror,
@@ -300,8 +303,11 @@ class Host:
 class Fleet:
     """A bridge, its /24 and the hosts booted on it; :meth:`close` removes them all."""
 
-    def __init__(self, rootfs: Path, layouts: list[str]) -> None:
+    def __init__(
+        self, rootfs: Path, layouts: list[str], binds: tuple[tuple[Path, str], ...] = ()
+    ) -> None:
         self.rootfs = rootfs
+        self.binds = binds  # (directory here, path in every host), read-only
         self.tag = secrets.token_hex(3)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"kiwi-deploy-{self.tag}-"))
         self.bridge = f"kiwibr-{self.tag}"
@@ -365,6 +371,7 @@ class Fleet:
             f"--network-bridge={self.bridge}",
             f"--bind-ro={network}:/etc/systemd/network/10-host0.network",
             f"--bind-ro={self.key}.pub:/root/.ssh/authorized_keys",
+            *(f"--bind-ro={source}:{target}" for source, target in self.binds),
         ]
         # The starting shell moves itself into the host's own cgroups, then becomes
         # systemd-nspawn: every host's systemd then owns a cgroup of its own.

@@ -381,37 +381,42 @@ def _histogram(name: str, gid: str, hist: Mapping[str, Any] | None) -> list[str]
 
 def _daemon_families(status: Mapping[str, Any]) -> list[str]:
     reloads = (status.get("counters") or {}).get("reloads") or {}
-    text = [
-        _header("kiwi_reloads_total", "counter", "Configuration reloads since start, by result.")
-        + "".join(
-            f'kiwi_reloads_total{{result="{result}"}} {_number(reloads.get(result, 0))}\n'
-            for result in ("ok", "failed")
-        )
-    ]
     last = ((status.get("config") or {}).get("last_reload") or {}).get("ok")
-    text.append(
-        _header(
+    scheduling, version = status.get("scheduling"), status.get("version")
+    # (name, type, help, its sample lines: none where the status lacks the field)
+    families = (
+        (
+            "kiwi_reloads_total",
+            "counter",
+            "Configuration reloads since start, by result.",
+            [
+                f'kiwi_reloads_total{{result="{result}"}} {_number(reloads.get(result, 0))}'
+                for result in ("ok", "failed")
+            ],
+        ),
+        (
             "kiwi_config_last_reload_successful",
             "gauge",
             "1 when the last reload (or the start) applied the file, 0 when it was refused.",
-        )
-        + ("" if last is None else f"kiwi_config_last_reload_successful {1 if last else 0}\n")
-    )
-    scheduling = status.get("scheduling")
-    text.append(
-        _header(
+            [] if last is None else [f"kiwi_config_last_reload_successful {int(bool(last))}"],
+        ),
+        (
             "kiwi_scheduling_enabled",
             "gauge",
             "1 while kiwid gates tenants, 0 while kiwictl -S off has turned it off.",
-        )
-        + ("" if scheduling is None else f"kiwi_scheduling_enabled {int(scheduling == 'on')}\n")
+            [] if scheduling is None else [f"kiwi_scheduling_enabled {int(scheduling == 'on')}"],
+        ),
+        (
+            "kiwi_build_info",
+            "gauge",
+            "kiwid's version (always 1).",
+            [] if version is None else [f'kiwi_build_info{{version="{_escape(version)}"}} 1'],
+        ),
     )
-    version = status.get("version")
-    text.append(
-        _header("kiwi_build_info", "gauge", "kiwid's version (always 1).")
-        + ("" if version is None else f'kiwi_build_info{{version="{_escape(version)}"}} 1\n')
-    )
-    return text
+    return [
+        _header(name, kind, text) + "".join(f"{line}\n" for line in lines)
+        for name, kind, text, lines in families
+    ]
 
 
 def _process_metrics() -> Callable[[], bytes]:

@@ -10,8 +10,6 @@ fires KiwiTenantWaitsTooLong. Prometheus is always stopped, whatever happened.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests.daemon.conftest import REPO, wait_for
+from tests.tools import need
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -71,12 +70,7 @@ class Prometheus:
     """A Prometheus server of our own: its config, data and port, on loopback."""
 
     def __init__(self, workdir: Path, target: str) -> None:
-        binary = shutil.which("prometheus")
-        if binary is None:
-            message = "prometheus is missing: scripts/bootstrap --dev installs Debian's package"
-            if os.environ.get("CI"):
-                pytest.fail(message)
-            pytest.skip(message)
+        binary = need("prometheus", "scripts/bootstrap --dev installs Debian's package")
         self.dir = workdir / "prometheus"
         self.dir.mkdir()
         self.port = free_port()

@@ -9,9 +9,10 @@ daemon tests there, as a transient systemd service (like a CI job on a real
 systemd machine). They must pass, the v1-freezer tests skipping with their reason.
 
 ``KIWI_IN_HOST_TESTS`` names other test paths to run instead (``tests`` for the
-whole suite) and ``KIWI_IN_HOST_PACKAGES`` Debian packages to add to the host
-(the whole suite wants tmux, runc, podman, busybox-static, gcc, procps and
-prometheus); the host's root file system is then built and cached for that list.
+whole suite), ``KIWI_IN_HOST_DEV=1`` installs all of the dev extra's tools, and
+``KIWI_IN_HOST_PACKAGES`` Debian packages to add to the host (the whole suite wants
+tmux, runc, podman, busybox-static, gcc, procps and prometheus); the host's root
+file system is then built and cached for that list.
 """
 
 from __future__ import annotations
@@ -35,7 +36,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 TESTS = os.environ.get("KIWI_IN_HOST_TESTS", "tests/adapters/test_cgroups.py tests/daemon").split()
 EXTRA_PACKAGES = tuple(os.environ.get("KIWI_IN_HOST_PACKAGES", "").split())
-TEST_TOOLS = ("pytest", "pytest-timeout", "hypothesis")
+# The test tools installed in the host: these three, or with KIWI_IN_HOST_DEV=1 all of
+# kiwi-gpu's dev extra (what the whole suite uses), at the versions installed here.
+DEV_EXTRA = [
+    re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
+    for requirement in metadata.requires("kiwi-gpu") or []
+    if "extra ==" in requirement and "dev" in requirement
+]
+TEST_TOOLS = tuple(
+    DEV_EXTRA if os.environ.get("KIWI_IN_HOST_DEV") else ("pytest", "pytest-timeout", "hypothesis")
+)
 CHECKOUT = "/root/kiwi"
 # pytest's last line: "63 passed, 12 skipped in 66.13s" (framed with = without -q).
 SUMMARY = re.compile(r"^=* ?(?P<counts>\d+ (?:passed|failed)[^\n]*?) in [\d.]+s", re.MULTILINE)

@@ -7,16 +7,14 @@ CI (``CI`` set), so that CI cannot pass by skipping them.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from kiwid.adapters.metrics import HISTOGRAM_FAMILIES, METRIC_FAMILIES
+from tests.tools import need
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "etc" / "prometheus"
@@ -35,13 +33,7 @@ ALERTS = {
 
 
 def promtool() -> str:
-    tool = shutil.which("promtool")
-    if tool is None:
-        message = "promtool is missing: scripts/bootstrap --dev installs Debian's prometheus"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return tool
+    return need("promtool", "scripts/bootstrap --dev installs Debian's prometheus")
 
 
 def exported_series() -> set[str]:

@@ -260,6 +260,10 @@ def test_podman_applies_kiwis_cdi_spec_and_kiwid_sees_the_container_by_name(
 ) -> None:
     podman = need("podman", "podman")
     runc = need("runc", "runc")
+    if not V1_FREEZER.exists() and "pids" not in (V2_ROOT / "cgroup.controllers").read_text():
+        # podman sets a pids limit: on pure cgroup2 it needs that controller, which a
+        # container on a machine whose controllers are bound to v1 does not get.
+        pytest.skip("podman needs the cgroup2 pids controller, which this host lacks")
     tag = uuid.uuid4().hex[:8]
     name = f"kiwi-e2e-{tag}"
     spec_dir, empty = workdir / "cdi-specs", workdir / "cdi-empty"

@@ -91,9 +91,10 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[hosts.Host]:
         rootfs,
         ["unified"],
         binds=((checkout, "/mnt/kiwi-checkout"), (house, "/mnt/kiwi-wheelhouse")),
-        # runc joins a session keyring for each container: nspawn's default
-        # system call filter forbids it (a machine of its own would not).
-        nspawn_args=("--system-call-filter=@keyring",),
+        # runc joins a session keyring for each container and attaches a BPF device
+        # program to its cgroup: nspawn's default system call filter forbids both
+        # (a machine of its own would not).
+        nspawn_args=("--system-call-filter=@keyring bpf",),
     )
     try:
         fleet.start()

@@ -138,7 +138,7 @@ def main() -> None:
             f"poll every {args.poll:g} s, TQ 30 s; "
             f"attached in {attached:.1f} s, all listed {seen:.1f} s later"
         )
-        scraper = Scraper(port, args.scrape_every) if port else None
+        scraper = Scraper(port, args.scrape_every, kiwid.pid) if port else None
         if scraper:
             scraper.start()
         measure(
@@ -149,7 +149,7 @@ def main() -> None:
         )
         if scraper:
             scraper.stop()
-            print(f"  metrics: {scraper.scrapes} scrapes, {scraper.series} series in the last one")
+            scraper.report()
         ping_latency(kiwid, args.pings, f"idle, {count} tenants")
         if args.busy:
             for i in range(min(args.busy, count)):
@@ -173,23 +173,49 @@ def main() -> None:
 
 
 class Scraper(threading.Thread):
-    """Scrapes kiwid's /metrics every ``every`` seconds, as Prometheus would."""
+    """Scrapes kiwid's /metrics every ``every`` seconds, as Prometheus would.
 
-    def __init__(self, port: int, every: float) -> None:
+    Each scrape's cost is kiwid's CPU time (utime + stime) from just before the
+    request to just after the answer: it includes whatever else kiwid did in those
+    milliseconds, so it is an upper bound of the exposition's own cost.
+    """
+
+    def __init__(self, port: int, every: float, pid: int) -> None:
         super().__init__(daemon=True)
         self.url = f"http://127.0.0.1:{port}/metrics"
         self.every = every
+        self.pid = pid
         self.halt = threading.Event()
         self.scrapes = 0
         self.series = 0
+        self.cpu_ms: list[float] = []
+        self.wall_ms: list[float] = []
 
     def run(self) -> None:
         while not self.halt.is_set():
+            cpu0, t0 = cpu_seconds(self.pid), time.perf_counter()
             with urllib.request.urlopen(self.url, timeout=10) as resp:
                 body = resp.read().decode()
+            self.wall_ms.append((time.perf_counter() - t0) * 1000)
+            self.cpu_ms.append((cpu_seconds(self.pid) - cpu0) * 1000)
             self.scrapes += 1
             self.series = sum(1 for line in body.splitlines() if line and not line.startswith("#"))
             self.halt.wait(self.every)
+
+    def report(self) -> None:
+        """Print the scrapes' count, size and cost (per scrape, and per core at the interval)."""
+        print(f"  metrics: {self.scrapes} scrapes, {self.series} series in the last one")
+        if not self.cpu_ms:
+            return
+        cpu50, cpu_max = percentiles(self.cpu_ms, (50, 100))
+        wall50, wall_max = percentiles(self.wall_ms, (50, 100))
+        share = 100 * cpu50 / 1000 / self.every
+        print(
+            f"  per scrape: kiwid CPU p50 {cpu50:.1f} ms, max {cpu_max:.1f} ms; "
+            f"answer in p50 {wall50:.1f} ms, max {wall_max:.1f} ms; at one scrape every "
+            f"{self.every:g} s that is {share:.2f}% of one core "
+            f"(target < {TARGET_CPU_PCT:g}%: {_verdict(share < TARGET_CPU_PCT)})"
+        )
 
     def stop(self) -> None:
         self.halt.set()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
 import copy
 import functools
 import json
@@ -42,6 +41,7 @@ from kiwid.adapters.control import (
     peer_of,
     request,
 )
+from tests.readable import kiwid_copy
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -774,8 +774,8 @@ def test_peer_of_reads_kernel_credentials() -> None:
     assert set(os.getgroups()) | {os.getegid()} == peer.groups
 
 
-# The client runs from a world-readable copy of the control package: uid nobody may not
-# read the checkout (a clone under /root is 0700). Standard library only.
+# The client runs from a world-readable copy of kiwid (tests/readable.py): uid nobody may
+# not read the checkout (a clone under /root is 0700). The control package is stdlib only.
 NOBODY_CLIENT = """
 import json, sys
 sys.path.insert(0, sys.argv.pop(1))
@@ -804,28 +804,6 @@ def nobody_python() -> str:
     pytest.skip("no Python interpreter is runnable by uid nobody")
 
 
-@functools.cache
-def readable_control() -> Path:
-    """A world-readable directory holding just kiwid's control package (and its parents)."""
-    top = Path(tempfile.mkdtemp(prefix="kiwi-control-", dir="/tmp"))
-    atexit.register(shutil.rmtree, top, True)
-    for part in ("kiwid/__init__.py", "kiwid/adapters/__init__.py"):
-        (top / part).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO / part, top / part)
-    shutil.copytree(
-        REPO / "kiwid/adapters/control",
-        top / "kiwid/adapters/control",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    for root, dirs, files in os.walk(top):
-        for name in dirs:
-            Path(root, name).chmod(0o755)
-        for name in files:
-            Path(root, name).chmod(0o644)
-    top.chmod(0o755)
-    return top
-
-
 def as_nobody(
     path: Path, cmd: str, args: dict[str, Any] | None = None, **ids: Any
 ) -> dict[str, Any]:
@@ -833,16 +811,7 @@ def as_nobody(
     ids = {"group": NOBODY, "extra_groups": [], **ids}
     extra = [json.dumps(args or {})]
     proc = subprocess.run(
-        [
-            nobody_python(),
-            "-I",
-            "-c",
-            NOBODY_CLIENT,
-            str(readable_control()),
-            str(path),
-            cmd,
-            *extra,
-        ],
+        [nobody_python(), "-I", "-c", NOBODY_CLIENT, str(kiwid_copy()), str(path), cmd, *extra],
         user=NOBODY,
         cwd="/",
         capture_output=True,

@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kiwid.adapters.metrics import MetricsError, MetricsServer, build_registry, parse_listen
+from kiwid.adapters.metrics import (
+    METRIC_FAMILIES,
+    Exposition,
+    MetricsError,
+    MetricsServer,
+    parse_listen,
+)
 
 LEDGER = {
     "holding_s": 310.5,
@@ -31,6 +37,8 @@ LEDGER = {
 STATUS: dict[str, Any] = {
     "version": "0.1.0",
     "pid": 1,
+    "config": {"path": "/etc/kiwi.toml", "last_reload": {"ok": True, "error": None}},
+    "scheduling": "on",
     "uptime_s": 600.0,
     "counters": {"reloads": {"ok": 4, "failed": 1}},
     "gpus": [
@@ -41,6 +49,8 @@ STATUS: dict[str, Any] = {
             "healthy": True,
             "tq": 20.0,
             "mode": "exclusive",
+            "memory_total_bytes": 80 * 2**30,
+            "memory_resident_bytes": 3 * 2**30,
             "holder": {"tenant": "docker:ab12cd34ef56", "since_s": 2.3, "remaining_s": 17.7},
             "waiters": [{"tenant": "pid:456", "waiting_s": 12.3, "position": 1, "eta_s": 17.7}],
             "handover_seconds": {
@@ -76,6 +86,8 @@ STATUS: dict[str, Any] = {
                     "state": "waiting",
                     "footprint_bytes": 2**30,
                     "ledger": {**LEDGER, "holding_s": 1.0, "quanta": 1},
+                    "gate_failure": "freeze of /kiwi/pid-456 timed out after 2 s",
+                    "swap_refusal": "host RAM floor: 1073741824 bytes would leave 5 of the ...",
                 },
             ],
         },
@@ -302,16 +314,76 @@ def test_stop_frees_the_port_and_joins_the_thread(serve) -> None:
     server.stop()  # a second stop is harmless
 
 
-def test_the_snapshot_is_taken_per_scrape_and_not_at_registration() -> None:
+def test_the_snapshot_is_taken_per_scrape_and_not_at_construction() -> None:
     calls: list[int] = []
 
     def snapshot() -> dict[str, Any]:
         calls.append(1)
         return STATUS
 
-    registry = build_registry(snapshot, process=False)
+    server = MetricsServer("127.0.0.1:0", snapshot, process=False)
     assert calls == []
-    names = {f.name for f in registry.collect()}
+    families, _ = parse(server.body().decode())
     assert calls == [1]
-    assert "kiwi_gpu_queue_length" in names
-    assert not any(n.startswith("process_") for n in names)
+    assert "kiwi_gpu_queue_length" in families
+    assert not any(n.startswith("process_") for n in families)
+
+
+def test_waiters_failures_and_daemon_gauges(serve) -> None:
+    _, samples = parse(scrape(serve()))
+    waiter = labels(gpu="0", tenant="pid:456")
+    assert samples[("kiwi_waiter_wait_seconds", waiter)] == 12.3
+    assert samples[("kiwi_waiter_position", waiter)] == 1
+    bare = labels(tenant="pid:456", name="pid 456", pod="", namespace="", gpu="0")
+    assert samples[("kiwi_tenant_gate_failed", bare)] == 1
+    assert samples[("kiwi_tenant_swap_refused", bare | {("reason", "host_floor")})] == 1
+    holder = HOLDER | {("gpu", "0")}
+    assert ("kiwi_tenant_gate_failed", holder) not in samples  # only while failing
+    assert samples[("kiwi_gpu_memory_total_bytes", labels(gpu="0"))] == 80 * 2**30
+    assert samples[("kiwi_gpu_memory_resident_bytes", labels(gpu="0"))] == 3 * 2**30
+    assert samples[("kiwi_config_last_reload_successful", labels())] == 1
+    assert samples[("kiwi_scheduling_enabled", labels())] == 1
+    assert samples[("kiwi_build_info", labels(version="0.1.0"))] == 1
+    status = copy.deepcopy(STATUS)
+    status["config"]["last_reload"]["ok"] = False
+    status["scheduling"] = "off"
+    status["gpus"][0]["tenants"][1]["swap_refusal"] = "swapping is unavailable"
+    _, samples = parse(Exposition().render(status))
+    assert samples[("kiwi_config_last_reload_successful", labels())] == 0
+    assert samples[("kiwi_scheduling_enabled", labels())] == 0
+    assert samples[("kiwi_tenant_swap_refused", bare | {("reason", "other")})] == 1
+
+
+def test_exported_families_are_exactly_the_declared_ones() -> None:
+    families, _ = parse(Exposition().render(STATUS))
+    declared = {name.removesuffix("_total") for name in METRIC_FAMILIES}
+    assert set(families) == declared
+    assert all(
+        families[name].samples for name in families if name != "kiwi_tenant_corunning_seconds"
+    )
+
+
+def test_a_tenant_that_changes_is_shown_as_it_is_now() -> None:
+    """The lines kept between scrapes never hide a change."""
+    exposition = Exposition()
+    status = copy.deepcopy(STATUS)
+    parse(exposition.render(status))
+    tenant = status["gpus"][0]["tenants"][0]
+    tenant["ledger"] = {**tenant["ledger"], "quanta": 12}
+    tenant["pod"] = 'we"b\\-8\n'
+    tenant["gate_failure"] = "lock timed out"
+    _, samples = parse(exposition.render(status))
+    now = labels(
+        tenant="docker:ab12cd34ef56",
+        name="ab12cd34ef56",
+        pod='we"b\\-8\n',
+        namespace="shop",
+        gpu="0",
+    )
+    assert samples[("kiwi_tenant_quanta_total", now)] == 12
+    assert samples[("kiwi_tenant_gate_failed", now)] == 1
+    assert not [k for k in samples if ("pod", "web-7f") in k[1]]
+    status["gpus"][0]["tenants"] = []
+    status["departed"] = []
+    _, samples = parse(exposition.render(status))
+    assert not [k for k in samples if k[0].startswith("kiwi_tenant_")]

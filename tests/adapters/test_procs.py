@@ -285,7 +285,11 @@ def test_a_process_in_a_container_cgroup(
 
     assert tenant is not None
     assert (tenant.key, tenant.kind) == (key.format(pid=first.pid), kind)
-    assert (tenant.cgroup_v2, tenant.cgroup_v1_freezer) == (ref.v2, ref.v1_freezer)
+    assert tenant.cgroup_v2 == ref.v2
+    # /proc/PID/cgroup names every hierarchy the kernel has, mounted here or not (a
+    # pure-cgroup2 container on a hybrid machine still sees a v1 freezer line).
+    if sandbox.layout.v1_freezer_root is not None:
+        assert tenant.cgroup_v1_freezer == ref.v1_freezer
     grouped = tenants_of([first.pid, second.pid, 2**22 + 7])
     if tenant.dedicated:
         assert grouped == {key: replace(tenant, pids=frozenset({first.pid, second.pid}))}

@@ -22,7 +22,6 @@ from kiwid.cli.kiwictl import (
 )
 from tests.adapters.test_control import (
     NOBODY,
-    REPO,
     FakeDaemon,
     ServerThread,
     needs_root,
@@ -30,6 +29,7 @@ from tests.adapters.test_control import (
     serve,
     sock_dir,
 )
+from tests.readable import kiwid_copy
 
 __all__ = ["serve", "sock_dir"]  # fixtures shared with the control socket tests
 
@@ -266,7 +266,8 @@ def test_installed_kiwictl_command(serve: Any) -> None:
 @needs_root
 def test_nobody_is_told_it_may_not_change_the_scheduler(serve: Any) -> None:
     st = serve()
-    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from kiwid.cli.kiwictl import main; "
+    readable = str(kiwid_copy())  # not the checkout: uid nobody may not read it
+    code = f"import sys; sys.path.insert(0, {readable!r}); from kiwid.cli.kiwictl import main; "
     code += "sys.exit(main(sys.argv[1:]))"
 
     def as_nobody(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -3,8 +3,10 @@
 Needs root and Debian's ``runc``, ``busybox-static`` and ``podman`` (scripts/bootstrap
 --dev installs them); each test says what it misses and skips without it. The
 containers run a busybox rootfs, no image and no registry. Every container, cgroup,
-CDI spec file and socket a test makes is removed afterwards, whatever happened: a
-CDI spec left in /var/run/cdi would change every later podman run on the machine.
+CDI spec file and socket a test makes is removed afterwards, whatever happened. CDI
+specs go only into the test's own directories (podman sees them through a private
+mount namespace): a spec left in /var/run/cdi would change every later podman run
+on the machine, and one the machine holds must not change the test.
 """
 
 from __future__ import annotations
@@ -235,16 +237,22 @@ def test_a_runc_container_without_names_gets_them_from_the_kubelet_by_its_device
         kubelet.stop()
 
 
-def _kiwi_specs_elsewhere(own: str) -> list[str]:
-    found = []
-    for folder in cdi.CDI_DIRS:
-        for path in sorted(Path(folder).glob("*.json")) if Path(folder).is_dir() else []:
-            if path.name == own:
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                if json.loads(path.read_text()).get("kind") == cdi.KIND:
-                    found.append(str(path))
-    return found
+def _with_own_cdi_dirs(spec_dir: Path, empty: Path) -> list[str]:
+    """A command prefix: run in a private mount namespace whose CDI directories are ours.
+
+    podman 4.3 reads CDI specs only from /etc/cdi and /var/run/cdi and has no option
+    for another directory. In a mount namespace of its own, the test's ``spec_dir``
+    is bound over /var/run/cdi and an empty directory over /etc/cdi (where it
+    exists): podman then sees exactly the test's spec, never one the machine holds,
+    and the machine's directories never see the test's.
+    """
+    script = (
+        'mount --bind "$1" /var/run/cdi && '
+        '{ [ ! -d /etc/cdi ] || mount --bind "$2" /etc/cdi; } && shift 2 && exec "$@"'
+    )
+    unshare = need("unshare", "util-linux")
+    namespace = [unshare, "--mount", "--propagation", "private"]
+    return [*namespace, "sh", "-c", script, "sh", str(spec_dir), str(empty)]
 
 
 def test_podman_applies_kiwis_cdi_spec_and_kiwid_sees_the_container_by_name(
@@ -252,11 +260,14 @@ def test_podman_applies_kiwis_cdi_spec_and_kiwid_sees_the_container_by_name(
 ) -> None:
     podman = need("podman", "podman")
     runc = need("runc", "runc")
+    if not V1_FREEZER.exists() and "pids" not in (V2_ROOT / "cgroup.controllers").read_text():
+        # podman sets a pids limit: on pure cgroup2 it needs that controller, which a
+        # container on a machine whose controllers are bound to v1 does not get.
+        pytest.skip("podman needs the cgroup2 pids controller, which this host lacks")
     tag = uuid.uuid4().hex[:8]
     name = f"kiwi-e2e-{tag}"
+    spec_dir, empty = workdir / "cdi-specs", workdir / "cdi-empty"
     spec_name = f"kiwi.io-gpu-e2e-{tag}.json"
-    if others := _kiwi_specs_elsewhere(spec_name):
-        pytest.skip(f"another {cdi.KIND} CDI spec is installed here ({others}); two would clash")
     spec = cdi.build_spec([GPU0], hook_path, nvidia_cdi=False, kiwi_socket=str(kiwid.socket))
     podman_cmd = [
         podman,
@@ -264,12 +275,17 @@ def test_podman_applies_kiwis_cdi_spec_and_kiwid_sees_the_container_by_name(
         *("--tmpdir", str(workdir / "podman-tmp"), "--runtime", runc),
     ]
     had_libpod_parent = (V2_ROOT / "libpod_parent").exists()
+    # The mount point for the test's own spec directory (podman's default; a
+    # directory this test makes is removed again below).
+    made_run_cdi = not Path(cdi.DEFAULT_DIR).exists()
+    Path(cdi.DEFAULT_DIR).mkdir(parents=True, exist_ok=True)
+    empty.mkdir()
     try:
         try:
-            # /var/run/cdi: podman 4.3 has no option for another spec directory.
-            cdi.write_spec(spec, cdi.DEFAULT_DIR, spec_name)
+            cdi.write_spec(spec, str(spec_dir), spec_name)
             run = subprocess.run(
                 [
+                    *_with_own_cdi_dirs(spec_dir, empty),
                     *(*podman_cmd, "run", "-d", "--network=none", *PODMAN_LIMITS, "--name", name),
                     *("--device", f"{cdi.KIND}=0", "--rootfs", str(rootfs), "/bin/sleep", "300"),
                 ],
@@ -279,7 +295,7 @@ def test_podman_applies_kiwis_cdi_spec_and_kiwid_sees_the_container_by_name(
                 check=False,
             )
         finally:
-            cdi.remove_spec(cdi.DEFAULT_DIR, spec_name)  # CDI is resolved at create only
+            cdi.remove_spec(str(spec_dir), spec_name)  # CDI is resolved at create only
         assert run.returncode == 0, run.stderr
         cid = run.stdout.strip()
         pid = int(
@@ -312,7 +328,11 @@ def test_podman_applies_kiwis_cdi_spec_and_kiwid_sees_the_container_by_name(
         )
         if not had_libpod_parent:
             _remove_cgroup_everywhere("libpod_parent")
-    assert not (Path(cdi.DEFAULT_DIR) / spec_name).exists()
+        if made_run_cdi:
+            with contextlib.suppress(OSError):
+                Path(cdi.DEFAULT_DIR).rmdir()
+    assert not (Path(cdi.DEFAULT_DIR) / spec_name).exists()  # never there: it was ours
+    assert not (spec_dir / spec_name).exists()
 
 
 def frozen(cgroup: str) -> bool:

@@ -100,18 +100,23 @@ def debian_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
-def cache_key() -> str:
-    text = json.dumps([SUITE, sorted(PACKAGES), PREPARE_VERSION])
+def cache_key(extra: tuple[str, ...] = ()) -> str:
+    packages = sorted({*PACKAGES, *extra})
+    text = json.dumps([SUITE, packages, PREPARE_VERSION])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def ensure_rootfs(log: Callable[[str], None] = print) -> Path:
+def ensure_rootfs(log: Callable[[str], None] = print, extra: tuple[str, ...] = ()) -> Path:
     """Return the cached root file system, building it first on a cache miss.
 
-    A lock file serialises concurrent builders; the tree is built next to its final
-    place and renamed into it, so a half-built tree is never used.
+    ``extra`` adds Debian packages (a tree of its own in the cache): the plain tree
+    is copied and apt installs them into the copy (debootstrap's own resolver
+    fails on some, e.g. podman's golang-github-containers-common). A lock file
+    serialises concurrent builders; the tree is built next to its final place and
+    renamed into it, so a half-built tree is never used.
     """
-    base = CACHE_ROOT / cache_key()
+    plain = ensure_rootfs(log) if extra else None
+    base = CACHE_ROOT / cache_key(extra)
     root = base / "root"
     if (base / "complete").exists():
         return root
@@ -124,35 +129,54 @@ def ensure_rootfs(log: Callable[[str], None] = print) -> Path:
         build = Path(tempfile.mkdtemp(prefix="build-", dir=base))
         try:
             tree = build / "root"
-            mirror = debian_mirror()
-            log(f"building the test-host root file system from {mirror} (cache miss)")
-            subprocess.run(
-                [
-                    "debootstrap",
-                    "--variant=minbase",
-                    f"--include={','.join(PACKAGES)}",
-                    SUITE,
-                    str(tree),
-                    mirror,
-                ],
-                check=True,
-                capture_output=True,
-                timeout=900,
-            )
-            _prepare(tree)
+            if plain is None:
+                mirror = debian_mirror()
+                log(f"building the test-host root file system from {mirror} (cache miss)")
+                include = f"--include={','.join(PACKAGES)}"
+                _run(["debootstrap", "--variant=minbase", include, SUITE, str(tree), mirror])
+                _prepare(tree)
+            else:
+                log(f"adding {', '.join(extra)} to a copy of {plain} (cache miss)")
+                _run(["cp", "-a", str(plain), str(tree)])
+                _apt_install(tree, extra)
             if root.exists():
                 shutil.rmtree(root)
             tree.rename(root)
-        except subprocess.CalledProcessError as err:
-            raise HostError(
-                f"debootstrap failed ({err.returncode}):\n{err.stdout.decode()[-3000:]}"
-                f"\n{err.stderr.decode()[-3000:]}"
-            ) from err
         finally:
             shutil.rmtree(build, ignore_errors=True)
         (base / "complete").write_text(f"{time.monotonic() - started:.0f} s\n")
         log(f"built {root} in {time.monotonic() - started:.0f} s")
     return root
+
+
+def _run(argv: list[str]) -> None:
+    try:
+        subprocess.run(argv, check=True, capture_output=True, timeout=900)
+    except subprocess.CalledProcessError as err:
+        raise HostError(
+            f"{argv[0]} failed ({err.returncode}):\n{err.stdout.decode()[-3000:]}"
+            f"\n{err.stderr.decode()[-3000:]}"
+        ) from err
+
+
+def _apt_install(tree: Path, packages: tuple[str, ...]) -> None:
+    """``apt-get install`` into ``tree`` through chroot, with /proc mounted meanwhile."""
+    proc = tree / "proc"
+    _run(["mount", "-t", "proc", "proc", str(proc)])
+    try:
+        env = "DEBIAN_FRONTEND=noninteractive"
+        _run(["chroot", str(tree), "env", env, "apt-get", "update", "-qq"])
+        install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
+        _run(["chroot", str(tree), "env", env, *install])
+        _run(["chroot", str(tree), "apt-get", "clean"])
+        # Programs, not services: nothing the packages enabled starts with the host.
+        subprocess.run(
+            ["systemctl", f"--root={tree}", "disable", "prometheus.service"],
+            check=False,
+            capture_output=True,
+        )
+    finally:
+        subprocess.run(["umount", str(proc)], check=False, capture_output=True)
 
 
 def _prepare(tree: Path) -> None:
@@ -300,8 +324,16 @@ class Host:
 class Fleet:
     """A bridge, its /24 and the hosts booted on it; :meth:`close` removes them all."""
 
-    def __init__(self, rootfs: Path, layouts: list[str]) -> None:
+    def __init__(
+        self,
+        rootfs: Path,
+        layouts: list[str],
+        binds: tuple[tuple[Path, str], ...] = (),
+        nspawn_args: tuple[str, ...] = (),
+    ) -> None:
         self.rootfs = rootfs
+        self.binds = binds  # (directory here, path in every host), read-only
+        self.nspawn_args = nspawn_args  # more systemd-nspawn options for every host
         self.tag = secrets.token_hex(3)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"kiwi-deploy-{self.tag}-"))
         self.bridge = f"kiwibr-{self.tag}"
@@ -365,6 +397,8 @@ class Fleet:
             f"--network-bridge={self.bridge}",
             f"--bind-ro={network}:/etc/systemd/network/10-host0.network",
             f"--bind-ro={self.key}.pub:/root/.ssh/authorized_keys",
+            *(f"--bind-ro={source}:{target}" for source, target in self.binds),
+            *self.nspawn_args,
         ]
         # The starting shell moves itself into the host's own cgroups, then becomes
         # systemd-nspawn: every host's systemd then owns a cgroup of its own.

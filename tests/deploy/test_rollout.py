@@ -7,6 +7,9 @@ order, each leaving the fleet deployed and running for the next:
 1. site.yml: the first run changes things, the second nothing; kiwid reached READY.
 2. A TQ change in the inventory is a reload (same MainPID), logged ``New TQ = ...``;
    --check --diff shows it first and changes nothing; tq.yml -e does the same.
+   Swapping turned on through the role (kiwid_memory_swap, with kiwid_extra_config
+   deep-merged into [memory]) is a reload; a gpu.sim key in kiwid_extra_config is
+   read at start only, and restarts kiwid.
 3. A hand edit plus ``systemctl reload`` applies; a broken hand edit is refused
    with the unit still active; a broken template is refused by ``validate``, and
    the serial rollout stops at the first host.
@@ -294,6 +297,59 @@ def test_tq_playbook_changes_tq_fleet_wide(
     again = ansible.play("tq.yml")
     assert_ok(again)
     assert all(again.changed(h.name) == 0 for h in fleet.hosts), again.explain()
+
+
+def test_swapping_through_the_role_is_a_reload_and_a_start_time_setting_a_restart(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet
+) -> None:
+    """memory.swap is reloaded; gpu.sim.* (through kiwid_extra_config) restarts kiwid."""
+    before = {h.name: unit(h) for h in fleet.hosts}
+    marks = {h.name: now(h) for h in fleet.hosts}
+    ansible.vars["kiwid_memory_swap"] = "checkpoint"
+    ansible.vars["kiwid_memory_host_floor_mib"] = 0
+    ansible.vars["kiwid_extra_config"] = {"memory": {"reserve_mib": 2048}}
+    run = ansible.play("site.yml")
+    assert_ok(run)
+    for host in fleet.hosts:
+        config = host.sh("cat /etc/kiwi.toml")
+        assert config.count("[memory]") == 1, config  # merged, never a second table
+        memory = config.split("[memory]", 1)[1].split("\n\n", 1)[0]
+        for line in ('swap = "checkpoint"', "host_floor_mib = 0", "reserve_mib = 2048"):
+            assert line in memory.splitlines(), config
+        wait_for(
+            lambda h=host: status(h)["gpus"][0]["swap_mode"] == "checkpoint",
+            20,
+            f"swapping on {host.name}",
+        )
+        after = unit(host)
+        assert after["MainPID"] == before[host.name]["MainPID"], "a reload, not a restart"
+        assert after["NRestarts"] == before[host.name]["NRestarts"]
+        log = journal(host, marks[host.name])
+        assert "Stopped kiwid.service" not in log, log
+        assert "next restart" not in log, log  # nothing restart-only changed
+
+    reloaded = {h.name: unit(h)["MainPID"] for h in fleet.hosts}
+    ansible.vars["kiwid_extra_config"] = {
+        "memory": {"reserve_mib": 2048},
+        "gpu": {"sim": {"swap_in_gbps": 9.0}},
+    }
+    run = ansible.play("site.yml")
+    assert_ok(run)
+    for host in fleet.hosts:
+        config = host.sh("cat /etc/kiwi.toml")
+        assert config.count("[gpu.sim]") == 1 and "swap_in_gbps = 9.0" in config, config
+        assert "gpu.sim" in host.sh("cat /etc/systemd/system/kiwid.service.d/50-ansible.conf")
+        after = wait_running(host, other_than=reloaded[host.name])
+        assert after["MainPID"] != reloaded[host.name], "gpu.sim is read at start: a restart"
+
+    for name in ("kiwid_memory_swap", "kiwid_memory_host_floor_mib", "kiwid_extra_config"):
+        del ansible.vars[name]
+    restarted = {h.name: unit(h)["MainPID"] for h in fleet.hosts}
+    run = ansible.play("site.yml")  # back to the defaults for the tests below
+    assert_ok(run)
+    for host in fleet.hosts:
+        wait_running(host, other_than=restarted[host.name])
+        assert status(host)["gpus"][0]["swap_mode"] == "none"
 
 
 # ---------------------------------------------------------------- 3. reload by hand, validate

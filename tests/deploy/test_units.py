@@ -7,14 +7,14 @@ systemd (no running systemd needed); ansible-lint runs at the production profile
 from __future__ import annotations
 
 import difflib
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.tools import need
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "systemd"
@@ -30,13 +30,7 @@ EXPOSURE_CEILING = {UNIT: 2.1, RELOAD_UNIT: 2.1, PLUGIN_UNIT: 1.6}
 
 
 def analyze() -> str:
-    tool = shutil.which("systemd-analyze")
-    if tool is None:
-        message = "systemd-analyze is missing: run scripts/test-hosts-deps (package systemd)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return tool
+    return need("systemd-analyze", "run scripts/test-hosts-deps (package systemd)")
 
 
 def installable_copy(unit: Path, tmp_path: Path) -> Path:

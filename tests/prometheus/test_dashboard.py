@@ -1,0 +1,74 @@
+"""The Grafana dashboard (etc/grafana/kiwi.json): built by scripts/dashboard.py, and
+querying only what kiwid and the shipped recording rules provide."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.prometheus.test_rules import REPO, RULE_FILES, exported_series, kiwi_names, promtool
+
+DASHBOARD = REPO / "etc" / "grafana" / "kiwi.json"
+
+
+def exprs() -> list[str]:
+    def walk(node: Any) -> list[str]:
+        if isinstance(node, dict):
+            found = [node["expr"]] if isinstance(node.get("expr"), str) else []
+            return found + [e for value in node.values() for e in walk(value)]
+        if isinstance(node, list):
+            return [e for value in node for e in walk(value)]
+        return []
+
+    return walk(json.loads(DASHBOARD.read_text()))
+
+
+def test_the_committed_dashboard_is_what_the_script_builds() -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "dashboard.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_its_queries_use_only_series_kiwid_exports_and_the_shipped_rules() -> None:
+    recorded = {
+        rule["record"]
+        for path in RULE_FILES
+        for group in yaml.safe_load(path.read_text())["groups"]
+        for rule in group["rules"]
+        if "record" in rule
+    }
+    queries = exprs()
+    assert len(queries) >= 15
+    exported = exported_series()
+    for expr in queries:
+        assert kiwi_names(expr) <= exported, expr
+        assert set(re.findall(r"\bkiwi:[a-z0-9_:]+", expr)) <= recorded, expr
+    used = {name for expr in queries for name in kiwi_names(expr)}
+    assert "kiwi_waiter_wait_seconds" in used and "up" not in used  # kiwi_ names only
+
+
+def test_its_queries_are_valid_promql(tmp_path: Path) -> None:
+    """promtool parses each query (its template variables filled in) as a rule."""
+    rules = [
+        {
+            "record": f"dashboard:query{i}",
+            "expr": expr.replace("$instance", ".*").replace("$gpu", ".*"),
+        }
+        for i, expr in enumerate(exprs())
+    ]
+    path = tmp_path / "dashboard-queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    done = subprocess.run(
+        [promtool(), "check", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -20,12 +20,14 @@ from typing import Any
 from kiwid.config.rules import (
     CONTROL_RULES,
     KUBERNETES_RULES,
+    MATCH_RULES,
     MEMORY_RULES,
     METRICS_RULES,
     OVERRIDE_RULES,
     SCHEDULER_RULES,
     SECTIONS,
     SIM_RULES,
+    TENANT_RULES,
     Rule,
     has_kind,
     service_rules,
@@ -43,6 +45,8 @@ from kiwid.config.schema import (
     SchedulerSettings,
     ServiceLimits,
     Settings,
+    TenantMatch,
+    TenantRule,
 )
 from kiwid.linux.files import NotRegularFile, TooLarge, describe_mode, read_regular
 
@@ -222,6 +226,35 @@ def _scheduler(reader: _Reader, doc: Mapping[str, Any]) -> SchedulerSettings:
     return SchedulerSettings(gpu=GpuOverrides(overrides), **values)
 
 
+def _tenants(reader: _Reader, doc: Mapping[str, Any]) -> tuple[TenantRule, ...]:
+    """The ``[[tenants]]`` rules, in order; problems name the rule's index and key."""
+    value = doc.get("tenants", [])
+    if not isinstance(value, list):
+        reader.problem(
+            f"tenants = {_show(value)}: must be an array of tables ([[tenants]] ...), "
+            f"not {type_name(value)}"
+        )
+        return ()
+    rules: list[TenantRule] = []
+    for index, entry in enumerate(value):
+        dotted = f"tenants[{index}]"
+        if not isinstance(entry, dict):
+            reader.problem(f"{dotted} = {_show(entry)}: must be a table, not {type_name(entry)}")
+            continue
+        fields = reader.fields(entry, dotted, TENANT_RULES, ("match",))
+        if "match" not in entry:
+            reader.problem(
+                f"{dotted}: needs a match table, e.g. match = {{ pod = \"train-*\" }} "
+                "(match = {} for every tenant)"
+            )
+            continue
+        match = reader.fields(
+            reader.table(entry, "match", f"{dotted}.match"), f"{dotted}.match", MATCH_RULES
+        )
+        rules.append(TenantRule(TenantMatch(**match), **fields))
+    return tuple(rules)
+
+
 def service_limits(environ: Mapping[str, str], pid: int | None = None) -> ServiceLimits:
     """The limits of the service that ``environ`` belongs to.
 
@@ -258,6 +291,7 @@ def _build(reader: _Reader, doc: Mapping[str, Any], service: ServiceLimits) -> S
         MemorySettings(**reader.section(doc, "memory", MEMORY_RULES)),
         MetricsSettings(**reader.section(doc, "metrics", METRICS_RULES)),
         KubernetesSettings(**reader.section(doc, "kubernetes", KUBERNETES_RULES)),
+        _tenants(reader, doc),
     )
     _check_state_dir(reader, settings)
     return settings

@@ -21,6 +21,7 @@ from kiwid.config.schema import (
     LOG_LEVELS,
     MODES,
     SWAPS,
+    TENANT_SWAPS,
     ServiceLimits,
 )
 
@@ -109,6 +110,8 @@ OVERRIDE_RULES = {
 SCHEDULER_RULES = {
     **OVERRIDE_RULES,
     "handover_allowance": _above_zero("handover_allowance", "seconds"),
+    "preempt_after": _within("preempt_after", float, "seconds", 0, 86400),
+    "max_wait": _within("max_wait", float, "seconds (0: no bound)", 0, 86400),
 }
 GPU_RULES = {
     "backend": _choice("backend", BACKENDS),
@@ -164,7 +167,44 @@ KUBERNETES_RULES = {
         "pod_resources_socket", SOCKET_PATH_MAX_BYTES, empty="no PodResources lookups"
     ),
 }
-SECTIONS = ("scheduler", "gpu", "control", "daemon", "memory", "metrics", "kubernetes")
+def _glob(attr: str) -> Rule:
+    return Rule(
+        attr,
+        str,
+        "a non-empty glob (*, ?, [...]) of printable characters",
+        lambda v: bool(v) and v.isprintable() and len(v) <= 1024,
+    )
+
+
+MATCH_RULES = {
+    key: _glob(key) for key in ("name", "pod", "namespace", "container_id", "cgroup", "unit")
+}
+def _weight(attr: str) -> Rule:
+    return Rule(attr, float, "a weight from 0.01 to 1000", lambda v: 0.01 <= v <= 1000)
+
+
+def _priority(attr: str) -> Rule:
+    return Rule(attr, int, "an integer priority from -1000 to 1000", lambda v: -1000 <= v <= 1000)
+
+
+TENANT_RULES = {
+    "weight": _weight("weight"),
+    "priority": _priority("priority"),
+    "tq": _above_zero("tq", "seconds"),
+    "swap": _choice("swap", TENANT_SWAPS),
+    "max_weight": _weight("max_weight"),
+    "max_priority": _priority("max_priority"),
+}
+SECTIONS = (
+    "scheduler",
+    "gpu",
+    "control",
+    "daemon",
+    "memory",
+    "metrics",
+    "kubernetes",
+    "tenants",
+)
 
 
 def _host_port(value: str) -> bool:

@@ -114,6 +114,16 @@ class SchedulerSettings:
     ``"MIG-…"``). Default empty: every GPU uses the global values. Any mapping given
     is copied into an immutable :class:`GpuOverrides`."""
 
+    preempt_after: float = 0.0
+    """Seconds of a holder's quantum after which a waiting tenant of a higher priority
+    preempts it (the holder is gated, keeps the rest of its quantum and waits at the
+    front of its class). Default 0: at once. Must be >= 0."""
+
+    max_wait: float = 0.0
+    """The longest a tenant waits behind higher priority classes, in seconds, before
+    it gets one quantum all the same. Default 0: no bound (a lower class waits as
+    long as a higher one bursts). Must be >= 0."""
+
     handover_allowance: float = 2.0
     """Seconds budgeted for one hand-over (freeze, memory move, thaw) when bounding
     how long a tenant can starve, so the bound stays honest when memory moves are
@@ -304,6 +314,52 @@ class KubernetesSettings:
     the device plugin's device IDs but no names in its annotations."""
 
 
+TENANT_SWAPS = ("allow", "never")
+"""Per-tenant swap policies, see :attr:`TenantRule.swap`."""
+
+
+@dataclass(frozen=True)
+class TenantMatch:
+    """What a ``[[tenants]]`` rule matches: every key given must match (globs).
+
+    A key left out matches anything; ``match = {}`` matches every tenant.
+    """
+
+    name: str | None = None
+    """Glob on the tenant's name (a container's name, a unit, ``pid N``)."""
+    pod: str | None = None
+    """Glob on its Kubernetes pod's name."""
+    namespace: str | None = None
+    """Glob on its pod's namespace."""
+    container_id: str | None = None
+    """Glob on its container ID (full, 64 hex characters)."""
+    cgroup: str | None = None
+    """Glob on its cgroup path (cgroup2, else the v1 freezer's)."""
+    unit: str | None = None
+    """Glob on the systemd unit its cgroup is (``train.service``, ``docker-….scope``)."""
+
+
+@dataclass(frozen=True)
+class TenantRule:
+    """One ``[[tenants]]`` rule: the policy of the tenants it matches (the first wins)."""
+
+    match: TenantMatch = field(default_factory=TenantMatch)
+    weight: float | None = None
+    """Its quantum is TQ x weight; shares within a priority class follow the weights.
+    ``None``: 1, or what the pod's ``kiwi.io/weight`` asks within ``max_weight``."""
+    priority: int | None = None
+    """Higher first; a higher class preempts a lower holder. ``None``: 0, or what the
+    pod's ``kiwi.io/priority`` asks within ``max_priority``."""
+    tq: float | None = None
+    """Its own TQ in seconds (``None``: the GPU's)."""
+    swap: str | None = None
+    """``"allow"`` (as ``memory.swap`` says) or ``"never"`` (its memory stays on the card)."""
+    max_weight: float | None = None
+    """The most a pod's ``kiwi.io/weight`` annotation may ask (``None``: the rule's weight)."""
+    max_priority: int | None = None
+    """The most a pod's ``kiwi.io/priority`` may ask (``None``: the rule's priority)."""
+
+
 @dataclass(frozen=True)
 class Settings:
     """The whole kiwid configuration; ``Settings()`` is the default."""
@@ -328,6 +384,10 @@ class Settings:
 
     kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
     """``[kubernetes]``: device plugin, CDI spec and container admission."""
+
+    tenants: tuple[TenantRule, ...] = ()
+    """``[[tenants]]``: per-tenant weight, priority, TQ and swap; the first rule that
+    matches a tenant wins. Hot-reloaded like TQ."""
 
 
 @dataclass(frozen=True)

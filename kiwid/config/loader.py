@@ -244,7 +244,7 @@ def _tenants(reader: _Reader, doc: Mapping[str, Any]) -> tuple[TenantRule, ...]:
         fields = reader.fields(entry, dotted, TENANT_RULES, ("match",))
         if "match" not in entry:
             reader.problem(
-                f"{dotted}: needs a match table, e.g. match = {{ pod = \"train-*\" }} "
+                f'{dotted}: needs a match table, e.g. match = {{ pod = "train-*" }} '
                 "(match = {} for every tenant)"
             )
             continue

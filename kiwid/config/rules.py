@@ -167,6 +167,8 @@ KUBERNETES_RULES = {
         "pod_resources_socket", SOCKET_PATH_MAX_BYTES, empty="no PodResources lookups"
     ),
 }
+
+
 def _glob(attr: str) -> Rule:
     return Rule(
         attr,
@@ -179,6 +181,8 @@ def _glob(attr: str) -> Rule:
 MATCH_RULES = {
     key: _glob(key) for key in ("name", "pod", "namespace", "container_id", "cgroup", "unit")
 }
+
+
 def _weight(attr: str) -> Rule:
     return Rule(attr, float, "a weight from 0.01 to 1000", lambda v: 0.01 <= v <= 1000)
 

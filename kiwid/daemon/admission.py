@@ -32,6 +32,8 @@ HOLD_EXEC_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 5.0
 """How long ``register`` waits for a hold's gate to take before it answers."""
 _RUNTIMES = ("runc", "crun", "youki", "runsc", "kata")
+MAX_WEIGHT = 1000.0
+MAX_PRIORITY = 1000
 
 
 class Admission:
@@ -62,6 +64,14 @@ class Admission:
             raise ControlError("forbidden", "register needs root (the container runtime)")
         cid = args["id"]
         pid = args.get("pid")
+        weight = args.get("weight")
+        if weight is not None and not 0 < weight <= MAX_WEIGHT:
+            raise ControlError("invalid-value", f"container {cid}: weight {weight!r} is not > 0")
+        priority = args.get("priority")
+        if priority is not None and not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+            raise ControlError(
+                "invalid-value", f"container {cid}: priority {priority} is out of range"
+            )
         if pid is None or pid <= 0:
             raise ControlError("invalid-value", f"container {cid}: a process id is needed")
         try:
@@ -73,6 +83,8 @@ class Admission:
                 name=args.get("name"),
                 pod=args.get("pod"),
                 namespace=args.get("namespace"),
+                weight=weight,
+                priority=priority,
             )
         except ValueError as err:
             raise ControlError("invalid-value", f"container {cid}: {err}") from None

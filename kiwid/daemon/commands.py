@@ -15,11 +15,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kiwid import __version__
-from kiwid.adapters.control import ControlError, EncodedResult, Peer
+from kiwid.adapters.control import ControlError, EncodedResult, Peer, check_command_table
 from kiwid.adapters.sim import SimBackend
 from kiwid.config.loader import SHORT_TQ_S
 from kiwid.core.model import GpuPolicy
-from kiwid.daemon.admission import Admission
+from kiwid.daemon.admission import MAX_PRIORITY, MAX_WEIGHT, Admission
 from kiwid.daemon.context import Context
 from kiwid.daemon.logs import seconds
 from kiwid.daemon.status import StatusCache, tenant_json
@@ -41,7 +41,13 @@ class Commands:
     """Answers control requests (already parsed, typed and authorised by the adapter)."""
 
     def __init__(self, ctx: Context, status: StatusCache, admission: Admission) -> None:
-        """Answer from ``ctx``; ``status`` serves reads, ``admission`` containers."""
+        """Answer from ``ctx``; ``status`` serves reads, ``admission`` containers.
+
+        Raises:
+            CommandTableMismatch: the handlers do not cover the protocol's commands
+                exactly (a programming error, caught by the tests).
+        """
+        check_command_table(HANDLERS)
         self.ctx = ctx
         self.status = status
         self.admission = admission
@@ -75,9 +81,14 @@ async def _status(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
 
 
 async def _tenants(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
-    engine = c.ctx.engine
-    view = engine.scheduler.view(c.ctx.clock())
-    return {"tenants": [tenant_json(engine.tracker.tenants.get(t.tenant), t) for t in view.tenants]}
+    engine, now = c.ctx.engine, c.ctx.clock()
+    resolved = c.ctx.tenant_policies.resolved
+    return {
+        "tenants": [
+            tenant_json(engine.tracker.tenants.get(t.tenant), t, resolved.get(t.tenant), now)
+            for t in engine.scheduler.view(now).tenants
+        ]
+    }
 
 
 async def _set_tq(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
@@ -170,6 +181,52 @@ async def _sim_detach(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     return {"detached": _sim(c, "sim-detach").detach(args["pid"])}
 
 
+def _tenant_key(c: Commands, ref: str) -> str:
+    if ref not in c.ctx.engine.tracker.tenants:
+        raise ControlError(
+            "invalid-value",
+            f"no tenant {ref!r} (a tenant id as `kiwictl tenants` lists them; kiwictl "
+            "set-weight also takes a name, pod, container id or pid)",
+        )
+    return ref
+
+
+def _apply_runtime(c: Commands, key: str, field_name: str, value: float, peer: Peer) -> Result:
+    ctx = c.ctx
+    ctx.tenant_policies.set_runtime(key, field_name, value)
+    ctx.engine.apply(ctx.tenant_policies.events(ctx.engine.tracker.tenants))
+    c.status.invalidate()
+    resolved = ctx.tenant_policies.resolved[key]
+    log.info(
+        "Runtime %s of %s = %s by uid %d (not persisted: it lasts until the next reload)",
+        field_name,
+        key,
+        f"{value:g}",
+        peer.uid,
+    )
+    return {"tenant": key, "policy": resolved.as_json()}
+
+
+async def _set_weight(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    weight = args["weight"]
+    if not math.isfinite(weight) or not 0 < weight <= MAX_WEIGHT:
+        raise ControlError(
+            "invalid-value",
+            f"weight must be a number > 0 and at most {MAX_WEIGHT:g}, not {weight!r}",
+        )
+    return _apply_runtime(c, _tenant_key(c, args["tenant"]), "weight", float(weight), peer)
+
+
+async def _set_priority(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    priority = args["priority"]
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ControlError(
+            "invalid-value",
+            f"priority must be an integer from {-MAX_PRIORITY} to {MAX_PRIORITY}, not {priority}",
+        )
+    return _apply_runtime(c, _tenant_key(c, args["tenant"]), "priority", priority, peer)
+
+
 async def _register(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     return await c.admission.register(args, peer)
 
@@ -186,6 +243,8 @@ HANDLERS: dict[str, Handler] = {
     "set-mode": _set_mode,
     "sim-attach": _sim_attach,
     "sim-detach": _sim_detach,
+    "set-weight": _set_weight,
+    "set-priority": _set_priority,
     "register": _register,
     "unregister": _unregister,
 }

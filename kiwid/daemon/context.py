@@ -20,6 +20,7 @@ from kiwid.core.model import GpuPolicy
 from kiwid.daemon import policy
 from kiwid.daemon.engine import Engine
 from kiwid.daemon.state import StateFile
+from kiwid.daemon.tenant_policy import PolicyBook
 
 
 @dataclass
@@ -62,6 +63,8 @@ class Context:
     """GPUs that could not be read at the last poll (a passing fault), and why."""
     overrides: policy.RuntimeOverrides = field(default_factory=policy.RuntimeOverrides)
     reload: ReloadRecord = field(default_factory=ReloadRecord)
+    tenant_policies: PolicyBook = field(default_factory=PolicyBook)
+    """Each tenant's weight, priority, TQ and swap policy, and where they came from."""
     started: float = 0.0
     """Monotonic time kiwid started at."""
 

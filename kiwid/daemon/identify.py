@@ -64,8 +64,13 @@ def identity_of_container(
     name: str | None = None,
     pod: str | None = None,
     namespace: str | None = None,
+    weight: float | None = None,
+    priority: int | None = None,
 ) -> Identity:
     """The identity of a container that kiwi-hook announced.
+
+    ``weight`` and ``priority`` are what its pod's annotations ask for (capped by
+    the rules when its policy is resolved).
 
     Its key is the one its processes will have when they show up on a GPU (it is
     derived from the same cgroup path), so the two meet in one tenant. The cgroup
@@ -113,5 +118,7 @@ def identity_of_container(
         container_id=container_id,
         pod=pod,
         namespace=namespace,
+        requested_weight=weight,
+        requested_priority=priority,
         identity_source="annotations" if pod else None,
     )

@@ -57,6 +57,8 @@ def effective(
         capacity_bytes=device.memory_total_bytes,
         reserve_bytes=settings.memory.reserve_mib * MIB,
         swap=SwapMode(settings.memory.swap) if can_swap else SwapMode.NONE,
+        preempt_after_s=settings.scheduler.preempt_after,
+        max_wait_s=settings.scheduler.max_wait or None,
     )
 
 

@@ -79,9 +79,10 @@ def reload(ctx: Context, status: StatusCache, reason: str, on_change: Callable[[
     before = ctx.engine.scheduler.policies()
     ctx.settings = loaded.settings
     ctx.overrides = policy.RuntimeOverrides()  # the file is the persistent truth
+    ctx.tenant_policies.reload(ctx.settings.tenants)
     set_level(ctx.settings.daemon.log_level)
     event = ctx.configured()
-    ctx.engine.apply([event])
+    ctx.engine.apply([event, *ctx.tenant_policies.events(ctx.engine.tracker.tenants)])
     log_tq_changes(before, dict(event.policies))
     on_change()
     record.loaded_at_unix = record.at_unix

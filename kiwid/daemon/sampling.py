@@ -66,6 +66,7 @@ def poll(ctx: Context) -> list[Event]:
     events = ctx.engine.tracker.observe(samples, ctx.clock(), lost, hidden)
     if health_changed:
         events.insert(0, ctx.configured())
+    events.extend(ctx.tenant_policies.events(ctx.engine.tracker.tenants))
     if ctx.can_swap and ctx.settings.memory.swap != "none":
         events.append(HostMemorySeen(procs.available_host_memory()))
     return events

@@ -94,6 +94,7 @@ class Daemon:
             can_swap=swapper is not None,
             started=clock(),
         )
+        self.ctx.tenant_policies.reload(settings.tenants)
         self.status = StatusCache(self.ctx)
         self.admission = Admission(self.ctx, lambda: self.should_exit)
         self.commands = Commands(self.ctx, self.status, self.admission)

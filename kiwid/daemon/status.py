@@ -19,6 +19,7 @@ from kiwid.core.view import GpuView, TenantView, WaiterView
 from kiwid.daemon.context import Context
 from kiwid.daemon.policy import MIB, configured
 from kiwid.daemon.records import Departed, Histogram, SwapProgress
+from kiwid.daemon.tenant_policy import Resolved
 from kiwid.daemon.tenants import TenantInfo
 
 STATUS_MAX_AGE_S = 0.1
@@ -40,10 +41,17 @@ def ledger_json(ledger: LedgerView | None) -> dict[str, Any] | None:
         "swapped_out_bytes": ledger.swapped_out_bytes,
         "swapped_in_bytes": ledger.swapped_in_bytes,
         "swap_s": round(ledger.swap_s, 3),
+        "preempted_priority": ledger.preempted_priority,
+        "entitled_s": round(ledger.entitled_s, 3),
     }
 
 
-def tenant_json(info: TenantInfo | None, view: TenantView) -> dict[str, Any]:
+def tenant_json(
+    info: TenantInfo | None,
+    view: TenantView,
+    resolved: Resolved | None = None,
+    now: float | None = None,
+) -> dict[str, Any]:
     """One tenant, as status and ``tenants`` list it.
 
     ``resident`` is ``False`` while its GPU memory is off the card (``residency``
@@ -72,7 +80,24 @@ def tenant_json(info: TenantInfo | None, view: TenantView) -> dict[str, Any]:
         "gated": view.gated,
         "waiting_for": view.waiting_for,
         "swap_refusal": view.swap_refusal,
+        "policy": (resolved or Resolved(view.policy, None, _DEFAULT_SOURCES)).as_json(),
+        "quantum_s": None if view.quantum_s is None else round(view.quantum_s, 3),
+        "boosted": view.boosted,
+        "entitled_share_now": round(view.entitled_share, 4),
+        "last_preemption": _preemption_json(view.last_preemption, now),
     }
+
+
+_DEFAULT_SOURCES = dict.fromkeys(("weight", "priority", "tq", "swap"), "default")
+
+
+def _preemption_json(
+    last: tuple[float, str, str | None] | None, now: float | None
+) -> dict[str, Any] | None:
+    if last is None or now is None:
+        return None
+    at, reason, by = last
+    return {"ago_s": round(now - at, 3), "reason": reason, "by": by}
 
 
 def swap_json(progress: SwapProgress | None, now: float) -> dict[str, Any] | None:
@@ -104,6 +129,7 @@ def build_status(ctx: Context) -> dict[str, Any]:
     view = engine.scheduler.view(now)
     tenants = engine.tracker.tenants
     swaps = engine.swaps
+    resolved = ctx.tenant_policies.resolved
     allowance = ctx.settings.scheduler.handover_allowance
     by_gpu = {g.gpu: g for g in view.gpus}
     gpus: list[dict[str, Any]] = []
@@ -140,9 +166,13 @@ def build_status(ctx: Context) -> dict[str, Any]:
                 "waiters": []
                 if g is None
                 else [_waiter_json(g, w, now, allowance) for w in g.waiters],
-                "tenants": [
-                    tenant_json(tenants.get(t.tenant), t) for t in view.tenants if gid in t.gpus
-                ],
+                "tenants": _with_shares(
+                    [
+                        tenant_json(tenants.get(t.tenant), t, resolved.get(t.tenant), now)
+                        for t in view.tenants
+                        if gid in t.gpus
+                    ]
+                ),
                 "handover_seconds": engine.handovers.get(gid, Histogram()).as_json(),
                 "swap": swap_json(next((w for w in swaps.values() if gid in w.gpus), None), now),
                 "swap_mode": policy.swap.value if policy else None,
@@ -168,6 +198,18 @@ def build_status(ctx: Context) -> dict[str, Any]:
         "handover_allowance_s": allowance,
         "departed": [_departed_json(d, now) for d in engine.departed(now)],
     }
+
+
+def _with_shares(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add each tenant's share of the GPU's time: entitled and received, since start."""
+    held = sum(e["ledger"]["holding_s"] for e in entries)
+    entitled = sum(e["ledger"]["entitled_s"] for e in entries)
+    for e in entries:
+        e["share"] = {
+            "entitled": round(e["ledger"]["entitled_s"] / entitled, 4) if entitled else None,
+            "received": round(e["ledger"]["holding_s"] / held, 4) if held else None,
+        }
+    return entries
 
 
 def _waiter_json(gpu: GpuView, waiter: WaiterView, now: float, allowance: float) -> dict[str, Any]:

@@ -30,6 +30,10 @@ class Identity:
     container_id: str | None = None
     pod: str | None = None
     namespace: str | None = None
+    requested_weight: float | None = None
+    """The weight its pod's ``kiwi.io/weight`` annotation asks for (``None``: none)."""
+    requested_priority: int | None = None
+    """The priority its pod's ``kiwi.io/priority`` annotation asks for."""
     identity_source: str | None = None
     """Where ``pod`` came from: ``annotations`` (the runtime's, through kiwi-hook),
     ``podresources`` (the kubelet's PodResources API, by device IDs) or ``cgroup``

@@ -75,3 +75,10 @@ def test_bad_registrations_are_refused_and_change_nothing(
     assert info.value.code == "invalid-value"
     assert not c.frozen()
     assert k.tenant_states() == {}
+
+
+def test_the_daemon_handles_exactly_the_protocols_commands() -> None:
+    from kiwid.adapters.control import COMMANDS  # noqa: PLC0415
+    from kiwid.daemon.commands import HANDLERS  # noqa: PLC0415
+
+    assert set(HANDLERS) == set(COMMANDS)

@@ -143,6 +143,8 @@ COMMANDS: Mapping[str, CommandSpec] = MappingProxyType(
                 gpus=Arg(Kind.STRINGS, required=False),
                 hold=Arg(Kind.BOOLEAN, required=False),
                 device_ids=Arg(Kind.STRINGS, required=False),
+                weight=Arg(Kind.NUMBER, required=False, nullable=True),
+                priority=Arg(Kind.INTEGER, required=False, nullable=True),
             ),
             root_reason="the container runtime runs kiwi-hook as root",
         ),

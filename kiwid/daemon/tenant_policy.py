@@ -1,0 +1,167 @@
+"""Each tenant's weight, priority, TQ and swap policy: rules, annotations, kiwictl.
+
+Precedence, documented in docs/scheduling.md:
+
+1. a runtime ``kiwictl set-weight`` / ``set-priority`` (until the next reload or
+   restart, like ``-T``);
+2. the pod's ``kiwi.io/weight`` / ``kiwi.io/priority`` annotations (kiwi-hook passes
+   them), capped by the matching rule's ``max_weight`` / ``max_priority`` — by
+   default the rule's own value, so a pod may lower itself but never raise itself
+   above what the operator allows;
+3. the first ``[[tenants]]`` rule that matches the tenant;
+4. the defaults: weight 1, priority 0, the GPU's TQ, swap as ``memory.swap`` says.
+
+:class:`PolicyBook` owns what was resolved and sent to the scheduler; it resolves
+a tenant again only when its identity, the rules or the runtime values changed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kiwid.config.schema import TenantMatch, TenantRule
+from kiwid.core.events import TenantPolicySet
+from kiwid.core.model import TenantPolicy, TenantSwap
+from kiwid.daemon.tenants import Identity, TenantInfo
+
+DEFAULT = TenantPolicy()
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A tenant's policy and where each part of it came from."""
+
+    policy: TenantPolicy
+    rule: int | None
+    """The index of the rule that matched (``None``: none did)."""
+    sources: Mapping[str, str]
+    """Per field (weight, priority, tq, swap): ``runtime``, ``annotation``,
+    ``rule N`` or ``default``."""
+    capped: tuple[str, ...] = ()
+    """Annotations that asked for more than the rule allows, and were capped."""
+
+    def as_json(self) -> dict[str, object]:
+        """The ``policy`` object of a tenant in the status."""
+        return {
+            "weight": self.policy.weight,
+            "priority": self.policy.priority,
+            "tq": self.policy.tq_s,
+            "swap": self.policy.swap.value,
+            "rule": self.rule,
+            "sources": dict(self.sources),
+            "capped": list(self.capped),
+            "runtime": "runtime" in self.sources.values(),
+        }
+
+
+def unit_of(cgroup: str | None) -> str | None:
+    """The systemd unit a cgroup path is (its last part, if a ``.service`` or ``.scope``)."""
+    if not cgroup:
+        return None
+    last = cgroup.rstrip("/").rsplit("/", 1)[-1]
+    return last if last.endswith((".service", ".scope")) else None
+
+
+def matches(match: TenantMatch, ident: Identity) -> bool:
+    """Whether every key of ``match`` matches ``ident`` (globs, case-sensitive)."""
+    cgroup = ident.cgroup_v2 if ident.cgroup_v2 not in (None, "", "/") else ident.cgroup_v1_freezer
+    facts = {
+        "name": ident.name,
+        "pod": ident.pod,
+        "namespace": ident.namespace,
+        "container_id": ident.container_id,
+        "cgroup": cgroup,
+        "unit": unit_of(cgroup),
+    }
+    for key, pattern in facts.items():
+        wanted = getattr(match, key)
+        if wanted is not None and (pattern is None or not fnmatch.fnmatchcase(pattern, wanted)):
+            return False
+    return True
+
+
+def resolve(
+    rules: Sequence[TenantRule],
+    ident: Identity,
+    runtime: Mapping[str, float] | None = None,
+) -> Resolved:
+    """A tenant's policy by the precedence in the module docstring."""
+    index = next((i for i, rule in enumerate(rules) if matches(rule.match, ident)), None)
+    rule = rules[index] if index is not None else TenantRule()
+    where = "default" if index is None else f"rule {index}"
+    sources = {
+        "weight": where if rule.weight is not None else "default",
+        "priority": where if rule.priority is not None else "default",
+        "tq": where if rule.tq is not None else "default",
+        "swap": where if rule.swap is not None else "default",
+    }
+    weight = rule.weight if rule.weight is not None else DEFAULT.weight
+    priority = rule.priority if rule.priority is not None else DEFAULT.priority
+    capped: list[str] = []
+    if ident.requested_weight is not None:
+        cap = rule.max_weight if rule.max_weight is not None else weight
+        capped += ["weight"] if ident.requested_weight > cap else []
+        weight, sources["weight"] = min(ident.requested_weight, cap), "annotation"
+    if ident.requested_priority is not None:
+        cap_p = rule.max_priority if rule.max_priority is not None else priority
+        capped += ["priority"] if ident.requested_priority > cap_p else []
+        priority, sources["priority"] = min(ident.requested_priority, cap_p), "annotation"
+    runtime = runtime or {}
+    if "weight" in runtime:
+        weight, sources["weight"] = float(runtime["weight"]), "runtime"
+    if "priority" in runtime:
+        priority, sources["priority"] = int(runtime["priority"]), "runtime"
+    policy = TenantPolicy(
+        weight=weight,
+        priority=priority,
+        tq_s=rule.tq,
+        swap=TenantSwap(rule.swap) if rule.swap is not None else TenantSwap.ALLOW,
+    )
+    return Resolved(policy, index, sources, tuple(capped))
+
+
+@dataclass
+class PolicyBook:
+    """What each tenant's policy is, as resolved and told to the scheduler."""
+
+    rules: tuple[TenantRule, ...] = ()
+    runtime: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``kiwictl set-weight`` / ``set-priority`` values, by tenant (until a reload)."""
+    resolved: dict[str, Resolved] = field(default_factory=dict)
+    _seen: dict[str, tuple[Identity, int]] = field(default_factory=dict)
+    _version: int = 0
+
+    def reload(self, rules: tuple[TenantRule, ...]) -> None:
+        """New rules from the file; runtime values end (the file is the persistent truth)."""
+        self.rules = rules
+        self.runtime.clear()
+        self._version += 1
+
+    def set_runtime(self, tenant: str, field_name: str, value: float) -> None:
+        """A runtime weight or priority for one tenant."""
+        self.runtime.setdefault(tenant, {})[field_name] = value
+        self._version += 1
+
+    def events(self, tenants: Mapping[str, TenantInfo]) -> list[TenantPolicySet]:
+        """The policy changes to tell the scheduler.
+
+        Each tenant is resolved again only when its identity, the rules or the
+        runtime values changed.
+        """
+        out: list[TenantPolicySet] = []
+        for key in [k for k in self.resolved if k not in tenants]:
+            del self.resolved[key]
+            self._seen.pop(key, None)
+        for key, info in tenants.items():
+            stamp = (info.identity, self._version)
+            if self._seen.get(key) == stamp:
+                continue
+            self._seen[key] = stamp
+            resolved = resolve(self.rules, info.identity, self.runtime.get(key))
+            before = self.resolved.get(key)
+            self.resolved[key] = resolved
+            if (before.policy if before else DEFAULT) != resolved.policy:
+                out.append(TenantPolicySet(key, resolved.policy))
+        return out

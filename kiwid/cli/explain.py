@@ -15,10 +15,31 @@ from pathlib import Path
 from typing import Any
 
 from kiwid.adapters.control import request
+from kiwid.cli.policy_text import policy_sentence, preemption_sentence, rank_label
+from kiwid.cli.words import format_bytes, format_duration, plural, tenant_label
+
+__all__ = [
+    "AmbiguousTenant",
+    "TenantNotFound",
+    "analyse",
+    "collect_tenants",
+    "explain_text",
+    "find_tenant",
+    "format_bytes",
+    "format_duration",
+    "ledger_text",
+    "plural",
+    "run",
+    "tenant_label",
+    "waiter_eta",
+]
 
 Json = dict[str, Any]
 _MIN_PREFIX = 4  # characters of a container id (or pod UID) that select it
-_TENANT_KEYS = ("id", "name", "kind", "container_id", "pod", "namespace", "state", "pids")
+_TENANT_KEYS = (
+    *("id", "name", "kind", "container_id", "pod", "namespace", "state", "pids"),
+    *("policy", "quantum_s", "share", "boosted", "last_preemption", "waiting_for"),
+)
 
 
 class TenantNotFound(LookupError):
@@ -35,44 +56,6 @@ class AmbiguousTenant(LookupError):
     def __init__(self, query: str, candidates: list[Json]) -> None:
         super().__init__(f"{query!r} matches {len(candidates)} tenants")
         self.candidates = candidates
-
-
-def format_duration(seconds: float | None) -> str:
-    """Say a duration briefly: ``12.3 s``, ``5m10s``, ``2h03m`` (``?`` for ``None``)."""
-    if seconds is None:
-        return "?"
-    if seconds < 60:
-        return f"{max(seconds, 0.0):.1f} s"
-    whole = int(seconds)
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
-
-
-def format_bytes(n: float | None) -> str:
-    """Say a size briefly: ``512 B``, ``1.5 GiB`` (``?`` for ``None``)."""
-    if n is None:
-        return "?"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{int(n)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
-def plural(n: int, word: str) -> str:
-    """``1 tenant``, ``2 tenants``."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def tenant_label(tenant: Mapping[str, Any]) -> str:
-    """A tenant's id, with its pod when it has one (``docker:3f2a… (pod ns/web)``)."""
-    pod = tenant.get("pod")
-    if not pod:
-        return str(tenant.get("id"))
-    ns = tenant.get("namespace")
-    return f"{tenant.get('id')} (pod {ns}/{pod})" if ns else f"{tenant.get('id')} (pod {pod})"
 
 
 def collect_tenants(status: Mapping[str, Any]) -> list[Json]:
@@ -209,15 +192,25 @@ def _gpu_facts(t: Mapping[str, Any], gpu: Mapping[str, Any]) -> Json:
         "eta_estimated": False,
         "ledger": t["ledgers"].get(gid),
     }
+    # Who holds it and who is ahead, with their priority (``priority 2 tenant X``).
+    on_gpu = {str(o.get("id")): o for o in gpu.get("tenants") or []}
+    held_by = on_gpu.get(holder["tenant"]) if holder else None
+    facts["holder_label"] = rank_label(held_by) if holder else None
+    facts["holder_outranks"] = _priority(held_by) > _priority(t)
     if me is not None:
         position = int(me.get("position") or waiters.index(me) + 1)
         ahead = [w.get("tenant") for w in waiters if int(w.get("position") or 0) < position]
         eta, estimated = waiter_eta(gpu, me)
         facts.update(position=position, waiting_s=me.get("waiting_s"), ahead=ahead)
+        facts["ahead_labels"] = [rank_label(on_gpu.get(str(a))) for a in ahead]
         facts.update(eta_s=eta, eta_estimated=estimated)
     elif t.get("state") == "idle":
         facts.update(eta_s=_eta_for_newcomer(gpu), eta_estimated=True)
     return facts
+
+
+def _priority(tenant: Mapping[str, Any] | None) -> int:
+    return int(((tenant or {}).get("policy") or {}).get("priority", 0))
 
 
 def analyse(status: Mapping[str, Any], tenant: Json) -> Json:
@@ -258,14 +251,20 @@ def _waiting(who: str, f: Json) -> str:
     if holder is None:
         text += "the GPU is being handed over"
     elif holder.get("remaining_s") is None:
-        text += f"the GPU is held by {holder['tenant']}, which keeps it until it goes idle"
+        held_by = f.get("holder_label") or holder["tenant"]
+        text += f"the GPU is held by {held_by}, which keeps it until it goes idle"
     else:
         left = format_duration(holder["remaining_s"])
-        text += f"the GPU is held by {holder['tenant']} whose quantum ends in {left}"
+        held_by = f.get("holder_label") or holder["tenant"]
+        if f.get("holder_outranks"):
+            text += f"it is waiting behind {held_by}, whose quantum ends in {left}"
+        else:
+            text += f"the GPU is held by {held_by} whose quantum ends in {left}"
     ahead = f["ahead"]
     if ahead:
         verb = "is" if len(ahead) == 1 else "are"
-        text += f"; {plural(len(ahead), 'tenant')} {verb} ahead of it ({_ids(ahead)})."
+        labels = f.get("ahead_labels") or ahead
+        text += f"; {plural(len(ahead), 'tenant')} {verb} ahead of it ({_ids(labels)})."
     else:
         text += "; it is next in line."
     about = "about " if f["eta_estimated"] else ""
@@ -380,6 +379,10 @@ def explain_text(facts: Json) -> str:
             parts.append(f"It gets GPUs {gpus} together or none of them.")
         if t.get("gate_failure"):
             parts.append(f"kiwid could not gate it ({t['gate_failure']}), so it runs un-gated.")
+        if t.get("waiting_for") and state == "waiting":
+            parts.append(f"It is not let go yet: {t['waiting_for']}.")
+        tq = facts["gpus"][0]["tq"] if facts["gpus"] else None
+        parts += [p for p in (policy_sentence(t, tq), preemption_sentence(t)) if p]
     ledger = ledger_text(facts.get("ledger"), facts.get("uptime_s"))
     return " ".join([*parts, ledger] if ledger else parts)
 

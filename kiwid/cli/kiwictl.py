@@ -96,6 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--json", action="store_true", help="print the daemon's JSON as is")
     _add_top(sub)
     _add_explain(sub)
+    for name, what, kind in (
+        ("set-weight", "weight: its quantum is TQ x weight (a number > 0)", float),
+        ("set-priority", "priority: higher first, preempting lower holders (an integer)", int),
+    ):
+        text = (
+            f"set a tenant's {what}, until the next reload or restart (not persisted: "
+            "/etc/kiwi.toml [[tenants]] rules are)"
+        )
+        cmd = sub.add_parser(name, help=text, description=text)
+        _add_socket(cmd, argparse.SUPPRESS)
+        cmd.add_argument(
+            "tenant",
+            metavar="TENANT",
+            help="tenant id, container id (4+ characters), name, pod or PID",
+        )
+        cmd.add_argument("value", metavar="N", type=kind, help=f"the new {name.split('-')[1]}")
     return parser
 
 
@@ -316,6 +332,8 @@ def _run(args: argparse.Namespace) -> int:
         return top.run(path, interval=args.interval, once=args.once, window_s=args.window * 60)
     if args.command == "explain":
         return explain.run(path, args.tenant, as_json=args.json)
+    if args.command in ("set-weight", "set-priority"):
+        return _set_policy(path, args.command, args.tenant, args.value)
     if args.command is not None:
         result = request(path, args.command)
         if args.json:
@@ -345,6 +363,24 @@ def _run(args: argparse.Namespace) -> int:
         )
     else:
         print(f"[INFO] Anti-thrashing scheduler is now on (mode {result['mode']}).")
+    return EXIT_OK
+
+
+def _set_policy(path: str, command: str, query: str, value: float) -> int:
+    """``kiwictl set-weight|set-priority TENANT N``: find the tenant, then ask kiwid."""
+    try:
+        tenant = explain.find_tenant(request(path, "status"), query)
+    except (explain.TenantNotFound, explain.AmbiguousTenant) as exc:
+        print(f"[ERROR] {exc}; see kiwictl tenants", file=sys.stderr)
+        return EXIT_INVALID
+    field = command.removeprefix("set-")
+    result = request(path, command, {"tenant": str(tenant["id"]), field: value})
+    policy = result.get("policy") or {}
+    print(
+        f"[INFO] {result.get('tenant')}: {field} {format_number(float(value))} until the next "
+        f"reload or restart (weight {format_number(float(policy.get('weight', 1)))}, "
+        f"priority {policy.get('priority', 0)})."
+    )
     return EXIT_OK
 
 

@@ -173,14 +173,15 @@ def _tenant_rows(gpu: Mapping[str, Any], shares: ShareTracker, width: int) -> li
         return ["  no tenants"]
     gid = str(gpu.get("id"))
     longest = max(len("TENANT"), *(len(str(t["id"])) for t in tenants))
-    # Besides the tenant and share columns a row takes 53 characters; the share's
+    # Besides the tenant and share columns a row takes 68 characters; the share's
     # bar is drawn where it fits, else the ids are cut (to 12 at least).
-    bar = width >= longest + 53 + 10 + _BAR
+    bar = width >= longest + 68 + 10 + _BAR
     share_w = 10 + _BAR if bar else 9
-    id_w = min(longest, max(12, width - 53 - share_w))
+    id_w = min(longest, max(12, width - 68 - share_w))
     head = f"{shares.label():<{share_w}}"
     rows = [
-        f"  {'TENANT':<{id_w}}  {'STATE':<9}  {head}  {'HELD':>7}  QUANTA  {'WAITED':>7}  MEMORY"
+        f"  {'TENANT':<{id_w}}  {'STATE':<9}  {head}  {'ENTITLED':>8}  {'W/PRIO':>6}  "
+        f"{'HELD':>7}  QUANTA  {'WAITED':>7}  MEMORY"
     ]
     for t in tenants:
         ledger = t.get("ledger") or {}
@@ -192,8 +193,13 @@ def _tenant_rows(gpu: Mapping[str, Any], shares: ShareTracker, width: int) -> li
         waited = format_duration(ledger["waiting_s"]) if "waiting_s" in ledger else "-"
         quanta = str(ledger.get("quanta", "-"))
         state = str(t.get("state")) + ("!" if t.get("gate_failure") else "")
+        entitled = (t.get("share") or {}).get("entitled")
+        entitled_text = "-" if entitled is None else f"{100 * entitled:5.1f}%"
+        policy = t.get("policy") or {}
+        weight_prio = f"{policy['weight']:g}/{policy['priority']}" if policy else "-"
         rows.append(
             f"  {_cut(str(t['id']), id_w):<{id_w}}  {state:<9}  {share_text:<{share_w}}  "
+            f"{entitled_text:>8}  {weight_prio:>6}  "
             f"{held:>7}  {quanta:>6}  {waited:>7}  {format_bytes(t.get('footprint_bytes'))}"
         )
     return rows

@@ -68,7 +68,22 @@ def test_a_frame_shows_header_holder_queue_swap_and_tenants() -> None:
     assert rows["TENANT"][:3] == ["TENANT", "STATE", "SHARE"]
     assert rows["docker:ab12cd34ef56"][1] == "holder"
     assert rows["docker:ab12cd34ef56"][2] == "8.3%"  # 310 s held of 3725 s up: since start
-    assert rows["podman:3f2a1b4c5d6e"][4:7] == ["5m10s", "11", "4m02s"]
+    assert rows["podman:3f2a1b4c5d6e"][6:9] == ["5m10s", "11", "4m02s"]
+
+
+def test_a_frame_shows_weights_priorities_and_entitled_shares() -> None:
+    status = copy.deepcopy(STATUS)
+    tenant = status["gpus"][0]["tenants"][0]
+    tenant["policy"] = {"weight": 2.0, "priority": 10}
+    tenant["share"] = {"entitled": 0.667, "received": 0.5}
+    rows = {
+        line.split()[0]: line.split()
+        for line in frame(status).splitlines()
+        if line.startswith("  ")
+    }
+    assert "ENTITLED" in rows["TENANT"] and "W/PRIO" in rows["TENANT"]
+    row = rows[tenant["id"]]
+    assert "66.7%" in row and "2/10" in row
 
 
 def test_a_free_gpu_an_empty_queue_and_an_older_daemon() -> None:

@@ -250,16 +250,18 @@ def _waiting(who: str, f: Json) -> str:
     holder = f["holder"]
     if holder is None:
         text += "the GPU is being handed over"
+    elif f.get("holder_outranks"):
+        held_by = f.get("holder_label") or holder["tenant"]
+        left = holder.get("remaining_s")
+        until = "while it has GPU work" if left is None else f"for {format_duration(left)} more"
+        text += f"it is waiting behind {held_by}, which keeps the GPU {until}"
     elif holder.get("remaining_s") is None:
         held_by = f.get("holder_label") or holder["tenant"]
         text += f"the GPU is held by {held_by}, which keeps it until it goes idle"
     else:
         left = format_duration(holder["remaining_s"])
         held_by = f.get("holder_label") or holder["tenant"]
-        if f.get("holder_outranks"):
-            text += f"it is waiting behind {held_by}, whose quantum ends in {left}"
-        else:
-            text += f"the GPU is held by {held_by} whose quantum ends in {left}"
+        text += f"the GPU is held by {held_by} whose quantum ends in {left}"
     ahead = f["ahead"]
     if ahead:
         verb = "is" if len(ahead) == 1 else "are"

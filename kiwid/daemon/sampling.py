@@ -14,12 +14,19 @@ import logging
 
 from kiwid.adapters import procs
 from kiwid.adapters.gpu import GpuBackendError, GpuLost
-from kiwid.core.events import Event, HostMemorySeen
+from kiwid.core.events import (
+    Event,
+    GpusConfigured,
+    HostMemorySeen,
+    TenantAttached,
+    TenantDetached,
+)
 from kiwid.daemon.context import Context
 from kiwid.daemon.state import GatedRecord
 from kiwid.daemon.tenants import GpuSample, Hidden
 
 log = logging.getLogger("kiwid")
+_ARRIVALS = (TenantAttached, TenantDetached, GpusConfigured)
 
 
 def hidden_tenants(records: dict[str, GatedRecord]) -> dict[str, Hidden]:
@@ -66,7 +73,15 @@ def poll(ctx: Context) -> list[Event]:
     events = ctx.engine.tracker.observe(samples, ctx.clock(), lost, hidden)
     if health_changed:
         events.insert(0, ctx.configured())
-    events.extend(ctx.tenant_policies.events(ctx.engine.tracker.tenants))
+    # A new tenant's policy before its first footprint and activity: a tenant whose
+    # memory may never move must not be swapped out in the very poll that found it.
+    arrivals = [
+        e for e in events if isinstance(e, TenantAttached | TenantDetached | GpusConfigured)
+    ]
+    rest = [
+        e for e in events if not isinstance(e, TenantAttached | TenantDetached | GpusConfigured)
+    ]
+    events = [*arrivals, *ctx.tenant_policies.events(ctx.engine.tracker.tenants), *rest]
     if ctx.can_swap and ctx.settings.memory.swap != "none":
         events.append(HostMemorySeen(procs.available_host_memory()))
     return events

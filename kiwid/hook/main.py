@@ -11,8 +11,10 @@ namespace and container from the Kubernetes runtimes' annotations, or podman's
 container store), its GPUs (the ``KIWI_GPU_<index>`` variables Kiwi's CDI devices
 set, else ``NVIDIA_VISIBLE_DEVICES``) and, on Kubernetes, the device IDs Kiwi's
 device plugin gave it (annotation ``kiwi.io/device-ids``, else ``KIWI_DEVICE_IDS``;
-kiwid finds the pod by them when the annotations lack its names), and sends kiwid
-``register``; ``poststop`` sends ``unregister``.
+kiwid finds the pod by them when the annotations lack its names), the weight and
+priority its pod asks for (annotations ``kiwi.io/weight`` and ``kiwi.io/priority``;
+kiwid caps them by the matching ``[[tenants]]`` rule, docs/scheduling.md), and sends
+kiwid ``register``; ``poststop`` sends ``unregister``.
 
 A hook must never hang or fail a container start, so:
 
@@ -21,6 +23,10 @@ A hook must never hang or fail a container start, so:
   timeouts and by a ``SIGALRM`` backstop;
 * when kiwid is down, slow or refuses, the hook logs a warning (stderr, which the
   engine logs, and syslog) and exits 0: the container starts ungated;
+* an annotation ``kiwi.io/weight`` or ``kiwi.io/priority`` that is not a number is
+  left out with a warning (the tenant gets what the rules give it), and one outside
+  the range kiwid takes is brought within it with a warning: kiwid refuses a whole
+  registration with a value out of range, and the container would run ungated;
 * a malformed state on stdin is treated the same way (warning, exit 0). It means
   a runtime bug or a hook wired up by hand; failing would turn a Kiwi problem
   into a container that cannot start at all, on every start, while running it
@@ -34,7 +40,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import re
 import select
 import signal
 import sys
@@ -60,6 +68,17 @@ GPU_ENV_PREFIX = "KIWI_GPU_"  # kiwid.adapters.cdi.GPU_ENV_PREFIX (adapters do n
 # Set by the device plugin (kiwid.adapters.deviceplugin.devices): the slots a container got.
 DEVICE_IDS_ANNOTATION = "kiwi.io/device-ids"
 DEVICE_IDS_ENV = "KIWI_DEVICE_IDS"
+# What a pod asks of the scheduler; kiwid caps it by the matching [[tenants]] rule.
+WEIGHT_ANNOTATION = "kiwi.io/weight"
+PRIORITY_ANNOTATION = "kiwi.io/priority"
+# The range kiwid takes: a weight as a [[tenants]] rule may set it (kiwid.config.rules),
+# a priority as register accepts it (kiwid.daemon.admission.MAX_PRIORITY; the hook does
+# not import the daemon, tests/hook checks that the two agree).
+MIN_WEIGHT = 0.01
+MAX_WEIGHT = 1000.0
+MAX_PRIORITY = 1000
+_NUMBER = re.compile(r"\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_INTEGER = re.compile(r"[-+]?[0-9]+")
 _CREATE = frozenset({"create", "createRuntime", "prestart"})
 _POSTSTOP = frozenset({"poststop"})
 _MAX_STATE_BYTES = 1024 * 1024
@@ -98,6 +117,9 @@ class ContainerInfo:
         namespace: Its pod's namespace (Kubernetes), if known.
         gpus: The GPUs (UUIDs or indices) it was given; empty: unknown, i.e. all.
         device_ids: The device plugin's slots the kubelet gave it (Kubernetes), if known.
+        weight: The weight its ``kiwi.io/weight`` annotation asks for, if any.
+        priority: The priority its ``kiwi.io/priority`` annotation asks for, if any.
+        problems: What was wrong with those annotations, for the hook to warn about.
     """
 
     id: str
@@ -109,6 +131,9 @@ class ContainerInfo:
     namespace: str | None
     gpus: tuple[str, ...]
     device_ids: tuple[str, ...] = ()
+    weight: float | None = None
+    priority: int | None = None
+    problems: tuple[str, ...] = ()
 
     def register_args(self, hold: bool) -> dict[str, Any]:
         """The ``register`` command's arguments (docs/control-protocol.md).
@@ -117,8 +142,9 @@ class ContainerInfo:
             hold: Ask kiwid to start the container frozen if its GPU is busy.
 
         Returns:
-            The arguments; ``device_ids`` only when there are some, so that a kiwid
-            older than that argument still accepts containers outside Kubernetes.
+            The arguments; ``device_ids``, ``weight`` and ``priority`` only when there
+            are some, so that a kiwid older than those arguments still accepts
+            containers that do not use them.
         """
         args: dict[str, Any] = {
             "id": self.id,
@@ -133,6 +159,10 @@ class ContainerInfo:
         }
         if self.device_ids:
             args["device_ids"] = list(self.device_ids)
+        if self.weight is not None:
+            args["weight"] = self.weight
+        if self.priority is not None:
+            args["priority"] = self.priority
         return args
 
 
@@ -197,6 +227,8 @@ def container_info(state: Mapping[str, Any], proc: Path = _PROC) -> ContainerInf
     name = _first(annotations, _NAME_KEYS) or (
         _podman_name(Path(bundle), state["id"]) if bundle else None
     )
+    weight, weight_problem = _weight(annotations.get(WEIGHT_ANNOTATION))
+    priority, priority_problem = _priority(annotations.get(PRIORITY_ANNOTATION))
     return ContainerInfo(
         id=state["id"],
         pid=pid,
@@ -208,7 +240,64 @@ def container_info(state: Mapping[str, Any], proc: Path = _PROC) -> ContainerInf
         gpus=_gpus_from_env(config),
         device_ids=_device_ids(annotations.get(DEVICE_IDS_ANNOTATION))
         or _device_ids(_env(config).get(DEVICE_IDS_ENV)),
+        weight=weight,
+        priority=priority,
+        problems=tuple(p for p in (weight_problem, priority_problem) if p),
     )
+
+
+def _weight(value: str | None) -> tuple[float | None, str | None]:
+    """The weight a ``kiwi.io/weight`` annotation asks for, and what was wrong with it.
+
+    Returns:
+        ``(None, None)`` without the annotation; ``(None, why)`` for one that is not a
+        positive decimal number; ``(weight, why)`` for one brought within
+        `MIN_WEIGHT`..`MAX_WEIGHT`; else ``(weight, None)``.
+    """
+    if value is None:
+        return None, None
+    text = value.strip()
+    weight = float(text) if _NUMBER.fullmatch(text) else math.nan
+    if not weight > 0:  # not a number, or zero
+        return None, f"ignoring {WEIGHT_ANNOTATION}={_shown(value)}: not a positive number"
+    within = min(max(weight, MIN_WEIGHT), MAX_WEIGHT)
+    if within != weight:
+        return within, (
+            f"{WEIGHT_ANNOTATION}={_shown(value)} is outside {MIN_WEIGHT:g}..{MAX_WEIGHT:g}, "
+            f"what kiwid takes; asking for {within:g}"
+        )
+    return weight, None
+
+
+def _shown(value: str, limit: int = 40) -> str:
+    """An annotation's value for a warning: quoted, and cut short if long."""
+    return repr(value if len(value) <= limit else value[:limit] + "...")
+
+
+def _priority(value: str | None) -> tuple[int | None, str | None]:
+    """The priority a ``kiwi.io/priority`` annotation asks for, and what was wrong with it.
+
+    Returns:
+        ``(None, None)`` without the annotation; ``(None, why)`` for one that is not a
+        decimal integer; ``(priority, why)`` for one brought within ±`MAX_PRIORITY`;
+        else ``(priority, None)``.
+    """
+    if value is None:
+        return None, None
+    text = value.strip()
+    if not _INTEGER.fullmatch(text):
+        return None, f"ignoring {PRIORITY_ANNOTATION}={_shown(value)}: not an integer"
+    # int() of a long enough string raises (sys.set_int_max_str_digits): out of range.
+    digits = text.lstrip("+-").lstrip("0")
+    priority = int(digits or "0") if len(digits) <= 9 else MAX_PRIORITY + 1
+    priority = -priority if text.startswith("-") else priority
+    within = min(max(priority, -MAX_PRIORITY), MAX_PRIORITY)
+    if within != priority:
+        return within, (
+            f"{PRIORITY_ANNOTATION}={_shown(value)} is outside -{MAX_PRIORITY}..{MAX_PRIORITY}, "
+            f"what kiwid takes; asking for {within}"
+        )
+    return priority, None
 
 
 def _first(annotations: Mapping[str, str], keys: Sequence[str]) -> str | None:
@@ -440,6 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _register(socket: str, info: ContainerInfo, hold: bool, deadline: float) -> None:
+    for problem in info.problems:
+        _warn(f"container {info.id}: {problem}")
     if info.cgroup_v2 is None and info.cgroup_v1_freezer is None:
         _warn(f"found no cgroup for container {info.id}; kiwid cannot gate it")
     result = request(socket, "register", info.register_args(hold), _remaining(deadline))

@@ -26,7 +26,15 @@ import pytest
 
 from kiwid.adapters import cdi
 from kiwid.adapters.gpu import DeviceInfo
-from tests.daemon.conftest import V1_FREEZER, V2_ROOT, Kiwid, Tenant, config_text, wait_for
+from tests.daemon.conftest import (
+    V1_FREEZER,
+    V2_ROOT,
+    Kiwid,
+    Tenant,
+    config_text,
+    status_json,
+    wait_for,
+)
 from tests.fake_podresources import FakePodResources, pod
 
 pytestmark = pytest.mark.slow
@@ -380,3 +388,79 @@ def test_hold_a_newcomer_on_a_busy_gpu_starts_frozen_without_blocking_the_runtim
         subprocess.run(
             [*runc_cmd, "delete", "--force", cid], capture_output=True, timeout=60, check=False
         )
+
+
+POLICY_RULES = """
+[[tenants]]
+match = { name = "trainer-*" }
+weight = 1
+priority = 1
+max_weight = 3
+max_priority = 5
+"""
+
+
+def test_a_pods_weight_and_priority_annotations_are_capped_by_its_rule(
+    start_kiwid: Callable[..., Kiwid],
+    workdir: Path,
+    rootfs: Path,
+    hook_path: str,
+    test_cgroup: str,
+) -> None:
+    runc = need("runc", "runc")
+    (workdir / "kiwi.toml").write_text(config_text(workdir, poll=0.05) + POLICY_RULES)
+    k = start_kiwid()
+    runc_cmd = [runc, "--root", str(workdir / "runc-state")]
+    asked = {
+        # More than the rule allows on both counts, and within it on both.
+        "greedy": {"kiwi.io/weight": "8", "kiwi.io/priority": "50"},
+        "modest": {"kiwi.io/weight": "0.5", "kiwi.io/priority": "3"},
+        # kiwi-hook leaves out what does not parse (with a warning): the rule's weight.
+        "sloppy": {"kiwi.io/weight": "lots", "kiwi.io/priority": "2"},
+    }
+    cids = [f"{test_cgroup}-{name}" for name in asked]
+    try:
+        for name, annotations in asked.items():
+            (workdir / name).mkdir()
+            bundle = make_bundle(
+                runc,
+                workdir / name,
+                rootfs,
+                hook_path,
+                k,
+                f"/{test_cgroup}/{name}",
+                {"kiwi.io/name": f"trainer-{name}", **annotations},
+            )
+            log = workdir / f"runc-{name}.log"
+            run = runc_run_detached(runc_cmd, bundle, f"{test_cgroup}-{name}", log)
+            assert run.wait(60) == 0, log.read_text()
+
+        greedy = wait_for(lambda: named(k, "trainer-greedy"), 10, "the greedy container")
+        modest = wait_for(lambda: named(k, "trainer-modest"), 10, "the modest container")
+        sloppy = wait_for(lambda: named(k, "trainer-sloppy"), 10, "the sloppy container")
+
+        assert greedy["policy"]["weight"] == 3  # asked 8, max_weight 3
+        assert greedy["policy"]["priority"] == 5  # asked 50, max_priority 5
+        assert sorted(greedy["policy"]["capped"]) == ["priority", "weight"]
+        assert modest["policy"]["weight"] == 0.5
+        assert modest["policy"]["priority"] == 3
+        assert modest["policy"]["capped"] == []
+        for entry in (greedy, modest):
+            assert entry["policy"]["sources"]["weight"] == "annotation"
+        assert (sloppy["policy"]["weight"], sloppy["policy"]["priority"]) == (1, 2)
+        assert sloppy["policy"]["sources"]["weight"] == "rule 0"
+        for entry in (greedy, modest, sloppy):
+            assert entry["policy"]["rule"] == 0
+            assert entry["policy"]["sources"]["priority"] == "annotation"
+            assert entry["policy"]["runtime"] is False
+        # What `kiwictl status --json` shows an operator, per GPU.
+        (gpu,) = status_json(k)["gpus"]
+        shown = {t["name"]: t["policy"] for t in gpu["tenants"]}
+        assert (shown["trainer-greedy"]["weight"], shown["trainer-greedy"]["priority"]) == (3, 5)
+        assert sorted(shown["trainer-greedy"]["capped"]) == ["priority", "weight"]
+        assert shown["trainer-modest"]["capped"] == []
+    finally:
+        for cid in cids:
+            subprocess.run(
+                [*runc_cmd, "delete", "--force", cid], capture_output=True, timeout=60, check=False
+            )

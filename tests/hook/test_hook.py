@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+from kiwid.config.rules import TENANT_RULES
+from kiwid.daemon.admission import MAX_PRIORITY, MAX_WEIGHT
+from kiwid.hook import main as hook
 from kiwid.hook.main import ContainerInfo, MalformedState, container_info, parse_state
 
 HOOK = [sys.executable, "-m", "kiwid.hook.main"]
@@ -272,6 +275,99 @@ def test_podman_names_come_from_its_container_store(tmp_path: Path) -> None:
     assert container_info(explicit, proc=tmp_path).name == "mine"
 
 
+def policy_info(tmp_path: Path, **annotations: str) -> ContainerInfo:
+    keys = {"weight": "kiwi.io/weight", "priority": "kiwi.io/priority"}
+    state = {
+        "id": CID,
+        "bundle": str(make_bundle(tmp_path, cgroups_path="/k/c")),
+        "annotations": {keys[k]: v for k, v in annotations.items()},
+    }
+    return container_info(state, proc=tmp_path / "no-proc")
+
+
+def test_the_pods_weight_and_priority_annotations_go_into_register(tmp_path: Path) -> None:
+    info = policy_info(tmp_path, weight="2.5", priority="-3")
+
+    assert (info.weight, info.priority, info.problems) == (2.5, -3, ())
+    args = info.register_args(hold=True)
+    assert (args["weight"], args["priority"]) == (2.5, -3)
+    # Either alone; and the usual spellings of numbers.
+    assert policy_info(tmp_path, weight="3").register_args(hold=True)["weight"] == 3.0
+    assert "priority" not in policy_info(tmp_path, weight="3").register_args(hold=True)
+    assert policy_info(tmp_path, priority=" +10 ").priority == 10
+    assert policy_info(tmp_path, weight=".5").weight == 0.5
+    assert policy_info(tmp_path, weight="2e1").weight == 20.0
+    assert "weight" not in policy_info(tmp_path, priority="1").register_args(hold=True)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value", "words"),
+    [
+        ("weight", "heavy", "not a positive number"),
+        ("weight", "", "not a positive number"),
+        ("weight", "0", "not a positive number"),
+        ("weight", "-2", "not a positive number"),
+        ("weight", "1e-400", "not a positive number"),  # a positive number too small for a float
+        ("weight", "nan", "not a positive number"),
+        ("weight", "inf", "not a positive number"),
+        ("weight", "1_000", "not a positive number"),
+        ("weight", "0x10", "not a positive number"),
+        ("priority", "high", "not an integer"),
+        ("priority", "1.5", "not an integer"),
+        ("priority", "1e3", "not an integer"),
+        ("priority", "", "not an integer"),
+        ("priority", "--1", "not an integer"),
+    ],
+)
+def test_an_annotation_that_does_not_parse_is_left_out_with_a_reason(
+    tmp_path: Path, annotation: str, value: str, words: str
+) -> None:
+    info = policy_info(tmp_path, **{annotation: value})
+
+    assert getattr(info, annotation) is None
+    assert annotation not in info.register_args(hold=True)
+    (problem,) = info.problems
+    assert f"kiwi.io/{annotation}={value!r}" in problem
+    assert words in problem
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value", "sent"),
+    [
+        ("weight", "5000", 1000.0),
+        ("weight", "1e400", 1000.0),  # overflows a float: as large as can be
+        ("weight", "0.001", 0.01),
+        ("priority", "1001", 1000),
+        ("priority", "-5000", -1000),
+        ("priority", "99999999999999999999999", 1000),
+        ("priority", "-" + "9" * 5000, -1000),  # longer than int() takes
+    ],
+)
+def test_an_annotation_out_of_kiwids_range_is_brought_within_it(
+    tmp_path: Path, annotation: str, value: str, sent: float
+) -> None:
+    info = policy_info(tmp_path, **{annotation: value})
+
+    assert info.register_args(hold=True)[annotation] == sent
+    (problem,) = info.problems
+    assert "is outside" in problem
+    assert f"asking for {sent:g}" in problem
+    assert len(problem) < 200  # a huge value is cut short in the warning
+
+
+def test_the_hooks_range_is_what_kiwid_and_its_rules_take() -> None:
+    # kiwid refuses a registration beyond these (the container would run ungated).
+    assert (hook.MAX_WEIGHT, hook.MAX_PRIORITY) == (MAX_WEIGHT, MAX_PRIORITY)
+    weight, priority = TENANT_RULES["max_weight"], TENANT_RULES["max_priority"]
+    assert weight.accepts(hook.MIN_WEIGHT)
+    assert weight.accepts(hook.MAX_WEIGHT)
+    assert not weight.accepts(hook.MIN_WEIGHT / 2)
+    assert not weight.accepts(hook.MAX_WEIGHT * 1.01)
+    assert priority.accepts(hook.MAX_PRIORITY)
+    assert priority.accepts(-hook.MAX_PRIORITY)
+    assert not priority.accepts(hook.MAX_PRIORITY + 1)
+
+
 # --- the hook as the runtime runs it ----------------------------------------------
 
 
@@ -304,6 +400,28 @@ def test_create_registers_the_container_and_poststop_unregisters_it(
         "hold": False,
     }
     assert unregister == {"v": 1, "id": 1, "cmd": "unregister", "args": {"id": CID}}
+
+
+def test_a_bad_annotation_is_warned_about_and_the_container_still_registers(
+    tmp_path: Path, fake_kiwid: FakeKiwid
+) -> None:
+    fake_kiwid.reply = {"ok": True, "result": {"tenant": "cgroup:/k/c", "held": False}}
+    fake_kiwid.serve()
+    annotations = {"kiwi.io/weight": "lots", "kiwi.io/priority": "5000"}
+    bundle = make_bundle(tmp_path, cgroups_path="/k/c")
+    state = {"id": CID, "bundle": str(bundle), "annotations": annotations}
+
+    out, _ = run_hook("--socket", str(fake_kiwid.path), "create", state=state)
+
+    assert out.returncode == 0
+    weight_line, priority_line = out.stderr.splitlines()
+    assert weight_line.startswith("kiwi-hook: warning: ")
+    assert f"container {CID}" in weight_line
+    assert "kiwi.io/weight='lots'" in weight_line
+    assert "kiwi.io/priority='5000' is outside" in priority_line
+    (register,) = fake_kiwid.requests
+    assert "weight" not in register["args"]
+    assert register["args"]["priority"] == 1000
 
 
 def test_hold_is_the_default_admission(tmp_path: Path, fake_kiwid: FakeKiwid) -> None:

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import stat
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from kiwid.linux.files import write_atomic
 
 __all__ = [
     "CDI_DIRS",
@@ -264,19 +264,7 @@ def write_spec(
         if target.read_text(encoding="utf-8") == text:
             return False
     folder.mkdir(mode=0o755, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        Path(tmp).chmod(0o644)
-        Path(tmp).replace(target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            Path(tmp).unlink()
-        raise
-    _fsync_dir(folder)
+    write_atomic(target, text.encode(), 0o644)
     return True
 
 
@@ -347,13 +335,3 @@ def _devices_in(path: Path, kind: str) -> set[str]:
     if found is None or found.group(1) != kind:
         return set()
     return set(_YAML_NAME_RE.findall(text))
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (best effort)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

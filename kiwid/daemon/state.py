@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiwid.linux.files import read_regular
+from kiwid.linux.files import read_regular, write_atomic
 
 log = logging.getLogger("kiwid.state")
 
@@ -331,13 +331,7 @@ class StateFile:
             "version": STATE_VERSION,
             "gated": {key: _record_json(rec) for key, rec in sorted(self._records.items())},
         }
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self.path)
+        write_atomic(self.path, json.dumps(doc, indent=1).encode())
         self.writes += 1
 
 

@@ -1,18 +1,24 @@
-"""Reading files whose path an operator (or another process) chose.
+"""Reading files whose path an operator (or another process) chose, and writing ours.
 
 A config or state path may name a FIFO (a plain ``open`` then blocks forever), a
 device such as ``/dev/zero`` (a plain ``read`` never ends), a directory or a
 symlink to any of those. :func:`read_regular` refuses everything but a regular
 file, never blocks, and reads at most a bounded number of bytes.
+
+:func:`write_atomic` is how kiwid writes every file of its own (state, sim
+attachments, remembered workloads, CDI specs): a reader, or kiwid after a crash,
+sees the old file or the new one, never half of one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import tempfile
 from pathlib import Path
 
-__all__ = ["NotRegularFile", "TooLarge", "describe_mode", "read_regular"]
+__all__ = ["NotRegularFile", "TooLarge", "describe_mode", "read_regular", "write_atomic"]
 
 
 class NotRegularFile(OSError):
@@ -101,3 +107,34 @@ def _check_regular(path: str | Path, info: os.stat_result, max_bytes: int) -> No
         raise NotRegularFile(path, describe_mode(info.st_mode))
     if info.st_size > max_bytes:
         raise TooLarge(path, max_bytes)
+
+
+def write_atomic(path: str | Path, data: bytes, mode: int = 0o600, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` at once: a temporary file beside it, renamed.
+
+    ``mode`` is the new file's; ``durable`` fsyncs the file and its directory
+    before returning (the state file must survive a power cut; a cache need not).
+
+    Raises:
+        OSError: the directory or the file cannot be written (nothing is left behind).
+    """
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
+        Path(tmp).chmod(mode)
+        Path(tmp).replace(target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            Path(tmp).unlink()
+        raise
+    if durable:
+        dirfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)

@@ -4,7 +4,9 @@
 * ``/proc/PID/stat``: run state, CPU time and start time (which tells a PID that
   was reused apart from the process it named before);
 * ``/proc/PID/status``: the real and effective user IDs;
-* ``/proc/PID/comm``: the program's name.
+* ``/proc/PID/comm``: the program's name;
+* ``/proc/PID/cmdline`` and ``/proc/PID/exe``: the program and its arguments;
+* ``/proc/PID/maps``: the files a process has mapped (the libraries it uses).
 
 Every reader returns ``None`` (or raises :class:`ProcessGone`) for a process that
 is gone, so callers never see a bare ``OSError`` for the common race.
@@ -16,6 +18,7 @@ import errno
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 __all__ = [
     "AccessDenied",
@@ -25,6 +28,10 @@ __all__ = [
     "ProcessGone",
     "alive",
     "comm",
+    "command_line",
+    "executable",
+    "mapped_files",
+    "parse_maps",
     "parse_proc_cgroup",
     "parse_stat",
     "read_proc_cgroup",
@@ -107,6 +114,34 @@ def _read(pid: int | str, name: str) -> str:
         raise AccessDenied(f"cannot read {PROC}/{pid}/{name}: {err.strerror}") from err
     finally:
         os.close(fd)
+
+
+def _read_all(pid: int | str, name: str, max_bytes: int) -> str:
+    """Read all of ``/proc/<pid>/<name>`` (up to ``max_bytes``): maps run long.
+
+    Raises:
+        ProcessGone: the process does not exist (any more).
+        AccessDenied: the file cannot be read for another reason.
+    """
+    try:
+        fd = os.open(f"{PROC}/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, ProcessLookupError) as err:
+        raise ProcessGone(f"process {pid} is gone") from err
+    except OSError as err:
+        raise AccessDenied(f"cannot read {PROC}/{pid}/{name}: {err.strerror}") from err
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while size < max_bytes and (chunk := os.read(fd, 1 << 20)):
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as err:
+        if err.errno == errno.ESRCH:
+            raise ProcessGone(f"process {pid} is gone") from err
+        raise AccessDenied(f"cannot read {PROC}/{pid}/{name}: {err.strerror}") from err
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", "surrogateescape")
 
 
 def read_proc_cgroup(pid: int | str) -> ProcCgroups:
@@ -193,3 +228,51 @@ def comm(pid: int) -> str | None:
         return _read(pid, "comm").strip()
     except ProcError:
         return None
+
+
+def command_line(pid: int) -> tuple[str, ...] | None:
+    """The arguments a process was started with, ``argv[0]`` first.
+
+    ``None``: gone, unreadable, or a kernel thread (which has none).
+    """
+    try:
+        text = _read_all(pid, "cmdline", 1 << 20)
+    except ProcError:
+        return None
+    args = tuple(text.split("\0"))
+    if args and args[-1] == "":
+        args = args[:-1]
+    return args or None
+
+
+def executable(pid: int) -> str | None:
+    """The path of the program a process runs, as its mount namespace names it.
+
+    ``None``: gone or unreadable.
+    """
+    try:
+        return str(Path(f"{PROC}/{pid}/exe").readlink())
+    except OSError:
+        return None
+
+
+def mapped_files(pid: int) -> frozenset[str] | None:
+    """The files a process has mapped: the path column of ``/proc/PID/maps``.
+
+    Pseudo-mappings such as ``[heap]`` are left out. ``None``: gone or unreadable.
+    """
+    try:
+        text = _read_all(pid, "maps", 64 << 20)
+    except ProcError:
+        return None
+    return parse_maps(text)
+
+
+def parse_maps(text: str) -> frozenset[str]:
+    """The paths in the text of a ``/proc/PID/maps`` (a deleted file keeps its suffix)."""
+    paths: set[str] = set()
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            paths.add(fields[5])
+    return frozenset(paths)

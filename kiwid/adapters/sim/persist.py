@@ -10,12 +10,11 @@ since, told apart by its start time, is not re-attached).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kiwid.linux.files import read_regular
+from kiwid.linux.files import read_regular, write_atomic
 from kiwid.linux.proc import read_stat
 
 __all__ = ["PersistFile"]
@@ -63,13 +62,9 @@ class PersistFile:
     def save(self, sizes: Sequence[int], entries: Sequence[Entry]) -> bool:
         """Write the file atomically (0600); whether it was written."""
         doc = {"memory_bytes": list(sizes), "entries": [list(e) for e in entries]}
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(json.dumps(doc))
-            tmp.replace(self.path)
+            write_atomic(self.path, json.dumps(doc).encode(), durable=False)
         except OSError:
             return False
         return True

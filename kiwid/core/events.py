@@ -70,6 +70,12 @@ class SwapFinished:
     seconds: float = 0.0
     reason: str = ""
     """Why it failed (empty when it worked)."""
+    deferred: bool = False
+    """A restore that did not start: the card's free memory was short (no penalty:
+    it starts once a reading shows the room)."""
+    unswappable: bool = False
+    """A swap-out refused for good: the driver cannot checkpoint this tenant (its
+    memory stays on the card from now on)."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,41 @@ class HostMemorySeen:
 
 
 @dataclass(frozen=True)
+class MemoryFreeSeen:
+    """A GPU's free memory as the driver reports it (bytes), for safe restores.
+
+    The core's own count of what is on a card cannot see memory that nobody it
+    knows took (the driver, a process it cannot see); a restore starts only when
+    this reading leaves room for it beside the restores in flight.
+    """
+
+    gpu: GpuId
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class FootprintRemembered:
+    """A new tenant's workload ran before: its peak footprint then, in bytes.
+
+    Sizes it from the start (a known working set, not the whole card).
+    """
+
+    tenant: TenantId
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class TenantUnswappable:
+    """The tenant's memory can never leave its cards (the driver cannot checkpoint it).
+
+    It is gated resident and the rotation goes on around it; ``reason`` says why.
+    """
+
+    tenant: TenantId
+    reason: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Only time passed (the shell woke for ``next_deadline``)."""
 
@@ -142,6 +183,9 @@ Event = (
     | TenantPolicySet
     | Admitted
     | HostMemorySeen
+    | MemoryFreeSeen
+    | FootprintRemembered
+    | TenantUnswappable
     | Tick
 )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kiwid.core.model import GpuId, GpuPolicy, SwapMode, TenantState
+from kiwid.core.model import GpuId, GpuPolicy, Newcomer, SwapMode, TenantState
 from kiwid.core.residency import Residency
 from kiwid.core.tenant import TenantRecord
 
@@ -36,13 +36,33 @@ def occupied(members: Iterable[TenantRecord], gpu: GpuId, exclude: TenantRecord 
     return sum(t.size(gpu) for t in members if t is not exclude and t.residency.takes_room)
 
 
-def need(tenant: TenantRecord, gpu: GpuId, policy: GpuPolicy) -> int:
-    """What ``tenant`` needs on ``gpu``: its peak, or the whole card if it never ran.
+def wants_whole_card(tenant: TenantRecord, policy: GpuPolicy) -> bool:
+    """Whether ``tenant`` gets the card to itself on its turn: a newcomer, by policy.
 
-    A tenant that never held the GPU has shown only what it allocated while it
-    waited; once let go it may take everything, so it gets the card to itself.
+    A tenant whose working set nobody knows (it never held the GPU and its workload
+    never ran before) has shown only what it allocated while it waited; once let go
+    it may take everything, so by default (``newcomer = "whole-card"``) every other
+    tenant's memory leaves first.
     """
-    return tenant.size(gpu) if tenant.known else room(policy)
+    return not tenant.known and policy.newcomer is Newcomer.WHOLE_CARD
+
+
+def need(tenant: TenantRecord, gpu: GpuId, policy: GpuPolicy) -> int:
+    """What ``tenant`` needs on ``gpu``: its known size, or the whole card (a newcomer)."""
+    return room(policy) if wants_whole_card(tenant, policy) else tenant.size(gpu)
+
+
+def restoring(members: Iterable[TenantRecord], gpu: GpuId, exclude: TenantRecord | None) -> int:
+    """The bytes of the restores in flight on ``gpu``.
+
+    Counted whole: they may be anywhere between starting and done when the card's
+    free memory is read.
+    """
+    return sum(
+        t.size(gpu)
+        for t in members
+        if t is not exclude and t.residency in (Residency.SWAPPING_IN, Residency.PREFETCHING)
+    )
 
 
 @dataclass(frozen=True)
@@ -75,13 +95,15 @@ def victims(
     members: Iterable[TenantRecord],
     shortfall: int,
     swap_gpus: Mapping[GpuId, SwapMode],
+    *,
+    everyone: bool,
 ) -> list[TenantRecord]:
     """Resident tenants to swap out so that ``shortfall`` bytes free up on ``gpu``.
 
     Only those not running (waiting, or idle: they are gated first), whose memory
     may move (no refusal, gated in fact) and who use the card at all; the least
     recently run first (one brought back for its coming turn last). All of them
-    if ``tenant`` never ran (it gets the card).
+    if ``everyone`` (``tenant`` gets the card to itself).
     """
     if swap_gpus.get(gpu, SwapMode.NONE) is SwapMode.NONE:
         return []
@@ -101,7 +123,7 @@ def victims(
     chosen: list[TenantRecord] = []
     freed = 0
     for victim in candidates:
-        if tenant.known and freed >= shortfall:
+        if not everyone and freed >= shortfall:
             break
         chosen.append(victim)
         freed += victim.size(gpu)

@@ -34,6 +34,17 @@ class SwapMode(enum.StrEnum):
     """Memory goes to host RAM only when the next tenant would not fit beside it."""
 
 
+class Newcomer(enum.StrEnum):
+    """What a tenant never seen before gets on its first turn (``memory.newcomer``)."""
+
+    WHOLE_CARD = "whole-card"
+    """The card to itself: every waiting tenant's memory leaves first. Safe (it may
+    take all it wants), at the cost of one slow first hand-over."""
+    FREE = "free"
+    """Only what it has shown so far: it may run out of memory if it grows beyond
+    what is free beside the others."""
+
+
 class TenantSwap(enum.StrEnum):
     """Whether a tenant's memory may be swapped to host RAM (per tenant, ``swap``)."""
 
@@ -103,6 +114,7 @@ class GpuPolicy:
             of a higher priority preempts it (0: at once).
         max_wait_s: The longest a tenant waits behind higher priority classes
             before it gets one quantum all the same (``None``: no bound).
+        newcomer: What a tenant whose footprint nobody knows needs on its first turn.
     """
 
     tq_s: float = 30.0
@@ -113,6 +125,7 @@ class GpuPolicy:
     swap: SwapMode = SwapMode.NONE
     preempt_after_s: float = 0.0
     max_wait_s: float | None = None
+    newcomer: Newcomer = Newcomer.WHOLE_CARD
 
     def __post_init__(self) -> None:
         """Reject values the scheduler cannot honour.

@@ -63,6 +63,7 @@ class Move(enum.StrEnum):
     PREFETCH = "next in line: its memory comes back before its turn"
     IN_DONE = "its memory is back on the card"
     IN_FAILED = "the restore failed: its memory stays in host RAM"
+    IN_DEFERRED = "the restore did not start: too little free memory on the card"
     GRANTED = "its turn came while it was on the card or coming back"
     ADOPTED_SWAPPED = "a previous kiwid left it in host RAM"
 
@@ -80,6 +81,8 @@ MOVES: dict[tuple[Residency, Move], Residency] = {
     (R.SWAPPING_IN, M.IN_FAILED): R.HOST,
     (R.PREFETCHING, M.IN_DONE): R.PREFETCHED,
     (R.PREFETCHING, M.IN_FAILED): R.HOST,
+    (R.SWAPPING_IN, M.IN_DEFERRED): R.HOST,
+    (R.PREFETCHING, M.IN_DEFERRED): R.HOST,
     (R.PREFETCHING, M.GRANTED): R.SWAPPING_IN,
     (R.PREFETCHED, M.GRANTED): R.RESIDENT,
     (R.PREFETCHED, M.SWAP_OUT): R.SWAPPING_OUT,

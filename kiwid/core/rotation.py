@@ -3,14 +3,15 @@
 :func:`reconcile` runs after every event that may change who should hold, wait or
 move memory, over the GPUs it touched (and any linked through multi-GPU tenants).
 Its steps, in order: early release, GPUs that stopped gating, one holder per GPU,
-preemption, grants (first come, first served), starting holders (room, restore,
-let go), prefetch, and checkpoint swap-outs. Then it recomputes the deadlines.
+boosts, preemption, grants (first come, first served), starting holders (room,
+restore, let go), prefetch, and checkpoint swap-outs. Then it recomputes the
+deadlines. The memory moves themselves are :mod:`kiwid.core.room`'s.
 """
 
 from __future__ import annotations
 
-from kiwid.core import memory
-from kiwid.core.events import Action, SwapIn, SwapOut
+from kiwid.core import room
+from kiwid.core.events import Action, SwapIn
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.residency import Move, Residency, move
 from kiwid.core.states import Trigger
@@ -19,9 +20,6 @@ from kiwid.core.tenant import TenantRecord
 
 S = TenantState
 R = Residency
-PREFETCH_MARGIN_S = 1.0
-DEFAULT_RESTORE_BYTES_PER_S = 5e9
-"""Restore rate assumed until one is seen (the driver's restore on an H200: 5.5-7 GB/s)."""
 
 
 def start_burst(
@@ -81,7 +79,7 @@ def reconcile(
         if t.state not in _HOLDING_OR_WAITING or t.gpus & gating:
             continue
         if t.gated:
-            _release_ungated(table, t, now, actions)
+            room.release_ungated(table, t, now, actions)
         else:
             table.set_state(t, Trigger.GATING_STOPPED, now)
             t.granted_at = None
@@ -105,14 +103,22 @@ def reconcile(
                 limit = _max_wait(waits, t)
                 if limit is not None and now - t.state_since >= limit:
                     t.set_boost(True)
-    # 3b. Preemption: quantum over and someone waits, or a higher class waits.
+    # 3b. Preemption: quantum over and someone waits (unless the next one's memory
+    # is on its way back), or a higher class waits.
     wanted = table.wanted(gating, among)
     if wanted:
+        queue: list[TenantRecord] | None = None
         for t in [t for t in among if t.state is S.HOLDER]:
             due = table.preempt_at(t, gating, wanted)
-            if due is not None and now >= due[0]:
-                _preempt(table, t, due[1], gating=gating, among=among, now=now)
-                table.gate(t, actions)
+            if due is None or now < due[0]:
+                continue
+            if swapping and due[1] == "quantum":
+                queue = table.queue(gating, among) if queue is None else queue
+                until = room.deferred_until(table, t, gating, queue, due[0])
+                if until is not None and now < until:
+                    continue
+            _preempt(table, t, due[1], gating=gating, among=among, now=now)
+            table.gate(t, actions)
         among.sort(key=lambda t: t.seq)
         # 4. Grants: the highest class first, each first come first served, all
         # GPUs or none.
@@ -134,7 +140,7 @@ def reconcile(
     # 5. Granted holders still gated: make room, bring their memory back, let go.
     for t in among:
         if t.state is S.HOLDER and t.gated and t.gpus & gating:
-            _start_holder(table, t, gating, now, actions)
+            room.start_holder(table, t, gating, now, actions)
     if table.changes != changes:
         wanted = table.wanted(gating, among)  # preemptions and grants changed who waits
     if swapping:
@@ -145,6 +151,7 @@ def reconcile(
             if plan is not None and now >= plan[1]:
                 nxt = plan[0]
                 nxt.residency = move(nxt.residency, Move.PREFETCH)
+                nxt.waiting_for = None
                 actions.append(SwapIn(nxt.id))
         # 7. ``checkpoint``: the other waiters' memory goes to host RAM, after the new
         # holders were let go (they fit beside it, so they need not wait).
@@ -156,7 +163,7 @@ def reconcile(
                 and t.movable
                 and any(table.policies[g].swap is SwapMode.CHECKPOINT for g in t.gpus & gating)
             ):
-                _swap_out(table, t, actions)
+                room.swap_out(table, t, actions)
     if members_changed or table.changes != changes:
         _entitle(gating, among, now)
     _update_deadlines(table, gating, among, scope, wanted=wanted, waits=waits, swapping=swapping)
@@ -251,180 +258,6 @@ def _grant(table: TenantTable, t: TenantRecord, now: float) -> None:
         t.residency = move(t.residency, Move.GRANTED)
 
 
-def _release_ungated(
-    table: TenantTable, t: TenantRecord, now: float, actions: list[Action]
-) -> None:
-    """A gated tenant whose GPUs stopped gating: let go once its memory is on the card."""
-    if t.residency.on_card:
-        table.set_state(t, Trigger.GATING_STOPPED, now)
-        t.granted_at = None
-        table.let_go(t, now, actions)
-    elif t.residency is R.HOST and t.retry_at <= now:
-        short = _shortfall(table, t, t.gpus, whole_card=False)
-        if not short:
-            t.residency = move(t.residency, Move.SWAP_IN)
-            t.waiting_for = None
-            actions.append(SwapIn(t.id))
-        else:
-            t.waiting_for = _no_room(table, t, short)
-
-
-def _start_holder(
-    table: TenantTable,
-    t: TenantRecord,
-    gating: frozenset[GpuId],
-    now: float,
-    actions: list[Action],
-) -> None:
-    """A granted holder, still gated: room first, then its memory, then let it go."""
-    if t.residency.moving:
-        return  # its own swap ends first (a SwapFinished brings us back)
-    gpus = t.gpus & gating
-    missing = _shortfall(table, t, gpus, whole_card=True)
-    if missing:
-        planned = False
-        for gpu, nbytes in sorted(missing.items()):
-            planned |= _make_room(table, t, gpu, nbytes, now=now, actions=actions)
-        leaving = [o.id for g in gpus for o in table.members(g) if o.residency is R.SWAPPING_OUT]
-        if planned or leaving:
-            t.waiting_for = f"room being made on GPU {','.join(sorted(gpus))}: " + (
-                f"{', '.join(sorted(set(leaving)))} swapping out" if leaving else "swap-outs asked"
-            )
-            return
-    if t.residency is R.HOST:
-        short = _shortfall(table, t, gpus, whole_card=False)
-        if not short:
-            t.residency = move(t.residency, Move.SWAP_IN)
-            t.waiting_for = None
-            actions.append(SwapIn(t.id))
-            return
-        tq = table.policy_of(t).tq_s
-        t.retry_at = now + tq
-        t.waiting_for = (
-            f"{_no_room(table, t, short)}; the rest cannot leave. It tries again at its "
-            f"turn after {tq:g} s"
-        )
-        table.requeue(t, Trigger.SWAP_IN_FAILED, now)
-        return
-    table.let_go(t, now, actions)
-
-
-def _shortfall(
-    table: TenantTable, t: TenantRecord, gpus: frozenset[GpuId] | set[GpuId], *, whole_card: bool
-) -> dict[GpuId, int]:
-    """Bytes missing on each of ``gpus`` for ``t`` beside everything else on them.
-
-    ``whole_card``: what it needs to run (the whole card if it never ran), else
-    what its restore needs (its own size). Only GPUs that swap count: elsewhere
-    nothing can be done about it, and the reserve and the driver decide.
-    """
-    missing: dict[GpuId, int] = {}
-    for gpu in gpus:
-        policy = table.policies.get(gpu)
-        if policy is None or (policy.swap is SwapMode.NONE and whole_card):
-            continue
-        need = memory.need(t, gpu, policy) if whole_card else t.size(gpu)
-        short = memory.occupied(table.members(gpu), gpu, t) + need - memory.room(policy)
-        if short > 0:
-            missing[gpu] = short
-    return missing
-
-
-def _no_room(table: TenantTable, t: TenantRecord, short: dict[GpuId, int]) -> str:
-    gpu = min(short)
-    policy = table.policies[gpu]
-    free = memory.room(policy) - memory.occupied(table.members(gpu), gpu, t)
-    return (
-        f"no room on GPU {gpu}: its {memory.gib(t.size(gpu))} do not fit in the "
-        f"{memory.gib(max(0, free))} free"
-    )
-
-
-def _make_room(
-    table: TenantTable,
-    t: TenantRecord,
-    gpu: GpuId,
-    missing: int,
-    *,
-    now: float,
-    actions: list[Action],
-) -> bool:
-    """Swap out resident non-holders on ``gpu`` for ``t``; whether any was asked for."""
-    modes = {g: p.swap for g, p in table.policies.items()}
-    planned = False
-    for victim in memory.victims(t, gpu, table.members(gpu), missing, modes):
-        if _floor_refusal(table, victim):
-            continue
-        if victim.state is S.IDLE:  # it must be gated before it can be swapped
-            table.gate(victim, actions)
-            table.set_state(victim, Trigger.SWAPPED_OUT, now)
-            victim.seq = table.next_seq()
-        _swap_out(table, victim, actions)
-        planned = True
-    return planned
-
-
-def _floor_refusal(table: TenantTable, t: TenantRecord) -> str | None:
-    """Refuse (and say why) a swap-out that would leave host RAM below the floor."""
-    leaving = sum(
-        o.size(g) for o in table.tenants.values() if o.residency is R.SWAPPING_OUT for g in o.gpus
-    )
-    why = table.host.refusal(sum(t.size(g) for g in t.gpus), leaving)
-    if why is not None and why != t.swap_refusal:
-        t.swap_refusal = why
-        table.notices.append((t.id, f"its memory stays on the GPU, gated: {why}"))
-    return why
-
-
-def _swap_out(table: TenantTable, t: TenantRecord, actions: list[Action]) -> None:
-    if _floor_refusal(table, t) is not None:
-        return
-    t.residency = move(t.residency, Move.SWAP_OUT)
-    actions.append(SwapOut(t.id))
-
-
-def _prefetch(
-    table: TenantTable,
-    holder: TenantRecord,
-    gating: frozenset[GpuId],
-    queue: list[TenantRecord],
-    wanted: dict[GpuId, tuple[float, int]],
-) -> tuple[TenantRecord, float] | None:
-    """The tenant to bring back before ``holder``'s quantum ends, and when.
-
-    Only the first in line on the holder's GPUs, only if it is in host RAM, its
-    footprint is known, and it fits beside everything on the card (a prefetch
-    never evicts anyone).
-    """
-    if holder.state is not S.HOLDER or holder.gated:
-        return None
-    due = table.preempt_at(holder, gating, wanted)
-    if due is None:
-        return None
-    preempt = due[0]
-    gpus = holder.gpus & gating
-    nxt = next((t for t in queue if t.gpus & gpus and t.state is S.WAITING), None)
-    if (
-        nxt is None
-        or nxt.residency is not R.HOST
-        or not nxt.known
-        or nxt.retry_at > table.now
-        or nxt.adopting_until > table.now
-    ):
-        return None
-    seconds = PREFETCH_MARGIN_S
-    for gpu in nxt.gpus & gating:
-        policy = table.policies[gpu]
-        if policy.swap is SwapMode.NONE:
-            return None
-        used = memory.occupied(table.members(gpu), gpu, nxt)
-        if used + nxt.size(gpu) > memory.room(policy):
-            return None
-        rate = table.restore_rate.get(gpu, DEFAULT_RESTORE_BYTES_PER_S)
-        seconds = max(seconds, nxt.size(gpu) / rate + PREFETCH_MARGIN_S)
-    return nxt, preempt - seconds
-
-
 def _update_deadlines(
     table: TenantTable,
     gating: frozenset[GpuId],
@@ -462,6 +295,8 @@ def _update_deadlines(
             for timer in (t.retry_at, t.adopting_until):
                 if timer > now:
                     wake(t, timer)
+            if t.free_wait_since is not None:
+                wake(t, t.free_wait_since + table.policy_of(t).tq_s)
             if waits and state is S.WAITING and not t.boosted:
                 limit = _max_wait(waits, t)
                 if limit is not None:
@@ -473,9 +308,29 @@ def _update_deadlines(
         if state is S.HOLDER:
             due = table.preempt_at(t, gating, wanted)
             if due is not None:
-                deadline = min(deadline, due[0])
+                at = due[0]
+                if swapping and due[1] == "quantum" and at <= now:
+                    # Past its quantum: it holds on while the next one comes back.
+                    at = room.deferred_until(table, t, gating, queue, at) or at
+                deadline = min(deadline, at)
             if swapping:
                 plan = _prefetch(table, t, gating, queue, wanted)
                 if plan is not None and plan[1] > now:
                     deadline = min(deadline, plan[1])
         wake(t, deadline)
+
+
+def _prefetch(
+    table: TenantTable,
+    holder: TenantRecord,
+    gating: frozenset[GpuId],
+    queue: list[TenantRecord],
+    wanted: dict[GpuId, tuple[float, int]],
+) -> tuple[TenantRecord, float] | None:
+    """Whom to bring back before ``holder`` yields, and when (see :func:`room.prefetch`)."""
+    if holder.state is not S.HOLDER or holder.gated:
+        return None
+    due = table.preempt_at(holder, gating, wanted)
+    if due is None:
+        return None
+    return room.prefetch(table, holder, gating, queue, due[0])

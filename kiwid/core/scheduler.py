@@ -41,21 +41,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kiwid.core import memory, rotation
+from kiwid.core import memory, rotation, snapshot
 from kiwid.core.events import (
     Action,
     ActivitySeen,
     Admitted,
     Event,
+    FootprintRemembered,
     FootprintSeen,
     GateFailed,
     GpusConfigured,
     HostMemorySeen,
+    MemoryFreeSeen,
     SwapFinished,
     TenantAdopted,
     TenantAttached,
     TenantDetached,
     TenantPolicySet,
+    TenantUnswappable,
     Tick,
 )
 from kiwid.core.ledger import LedgerView
@@ -64,13 +67,13 @@ from kiwid.core.residency import Move, Residency, move
 from kiwid.core.states import Trigger
 from kiwid.core.table import TenantTable, Transition
 from kiwid.core.tenant import TenantRecord
-from kiwid.core.view import GpuView, SchedulerView, TenantView, WaiterView
+from kiwid.core.view import SchedulerView
 
 __all__ = ["Scheduler", "Transition"]
 
 S = TenantState
 R = Residency
-_TIME_OR_MEMORY = frozenset({Tick, SwapFinished, HostMemorySeen, GateFailed})
+_TIME_OR_MEMORY = frozenset({Tick, SwapFinished, HostMemorySeen, MemoryFreeSeen, GateFailed})
 """Events after which entitlements change only if a tenant changed state."""
 
 
@@ -163,6 +166,22 @@ class Scheduler:
                 table.host = memory.HostMemory(available, table.host.floor)
                 if before is None or available > before:
                     scope = self._clear_floor_refusals()
+            case MemoryFreeSeen(gpu=gpu, free_bytes=free):
+                before = table.free_seen.get(gpu)
+                table.free_seen[gpu] = free
+                if before is None or free > before:  # a restore may wait for it
+                    scope = {gpu} if self._restore_waits(gpu) else set()
+            case FootprintRemembered(tenant=tid, peak_bytes=peak):
+                tenant = table.tenants.get(tid)
+                if tenant is not None and peak > 0:
+                    tenant.remembered = peak
+                    tenant.known = True
+                    scope = set(tenant.gpus)
+            case TenantUnswappable(tenant=tid, reason=reason):
+                tenant = table.tenants.get(tid)
+                if tenant is not None and tenant.unswappable is None:
+                    tenant.unswappable = reason
+                    scope = set(tenant.gpus)
             case Tick():
                 scope = {g for g, d in table.deadlines.items() if d <= now}
         if scope is None or scope:
@@ -241,54 +260,7 @@ class Scheduler:
 
     def view(self, now: float) -> SchedulerView:
         """Return a read-only snapshot for status displays."""
-        table = self._t
-        gating = table.gating()
-        queue = table.queue(gating)
-        gpus: list[GpuView] = []
-        for gpu, policy in sorted(table.policies.items(), key=lambda kv: _gpu_sort_key(kv[0])):
-            on_gpu = table.members(gpu)
-            holder = next((t for t in on_gpu if t.state is S.HOLDER and gpu in gating), None)
-            waiters = [t for t in queue if gpu in t.gpus and t.state is S.WAITING]
-            gpus.append(
-                GpuView(
-                    gpu=gpu,
-                    policy=policy,
-                    gating=gpu in gating,
-                    holder=holder.id if holder else None,
-                    holder_since=holder.granted_at if holder else None,
-                    preempt_at=_due(table.preempt_at(holder, gating)) if holder else None,
-                    waiters=tuple(
-                        WaiterView(t.id, t.state_since, position)
-                        for position, t in enumerate(waiters, start=1)
-                    ),
-                    memory_in_use_bytes=memory.occupied(on_gpu, gpu, None),
-                )
-            )
-        tenants = tuple(
-            TenantView(
-                tenant=t.id,
-                state=t.state,
-                since=t.state_since,
-                gpus=t.gpus,
-                last_active=t.last_active,
-                footprint=dict(t.footprint),
-                ledger=t.ledger.view(t.state, t.state_since, now, t.entitled(now)),
-                resident=t.residency.on_card,
-                peak=dict(t.peak),
-                residency=t.residency,
-                gated=t.gated,
-                waiting_for=_waiting_for(t, now),
-                swap_refusal=t.swap_refusal,
-                gate_failure=t.gate_failure,
-                policy=t.policy,
-                quantum_s=table.quantum(t, t.gpus & gating) if t.gpus & gating else None,
-                boosted=t.boosted,
-                entitled_share=t.entitled_rate,
-                last_preemption=t.last_preemption,
-            )
-            for t in sorted(table.tenants.values(), key=lambda t: t.id)
-        )
-        return SchedulerView(now=now, gpus=tuple(gpus), tenants=tenants)
+        return snapshot.view(self._t, now)
 
     # ------------------------------------------------------------ events
 
@@ -338,8 +310,12 @@ class Scheduler:
                 ledger.swapped_out_bytes += event.moved_bytes
             else:
                 tenant.residency = move(tenant.residency, Move.OUT_FAILED)
-                tenant.swap_refusal = f"its swap-out failed: {event.reason or 'unknown error'}"
-                tenant.refused_until_run = True
+                why = event.reason or "unknown error"
+                if event.unswappable:
+                    tenant.unswappable = why
+                else:
+                    tenant.swap_refusal = f"its swap-out failed: {why}"
+                    tenant.refused_until_run = True
             return set(tenant.gpus)
         if tenant.residency not in (R.SWAPPING_IN, R.PREFETCHING):
             return set()
@@ -348,6 +324,10 @@ class Scheduler:
             tenant.residency = move(tenant.residency, Move.IN_DONE)
             ledger.swapped_in_bytes += event.moved_bytes
             self._learn_restore_rate(tenant, event)
+            return set(tenant.gpus)
+        if event.deferred:  # not started: it waits for a reading that shows the room
+            tenant.residency = move(tenant.residency, Move.IN_DEFERRED)
+            tenant.waiting_for = event.reason or "waiting for free memory"
             return set(tenant.gpus)
         tenant.residency = move(tenant.residency, Move.IN_FAILED)
         tq = table.policy_of(tenant).tq_s
@@ -368,6 +348,10 @@ class Scheduler:
                 old = rates.get(gpu)
                 rates[gpu] = rate if old is None else (old + rate) / 2
 
+    def _restore_waits(self, gpu: GpuId) -> bool:
+        """Whether a tenant on ``gpu`` is in host RAM, gated: more free memory may let it back."""
+        return any(t.residency is R.HOST and t.gated for t in self._t.members(gpu))
+
     def _clear_floor_refusals(self) -> set[GpuId]:
         """Forget host-floor refusals (the floor or the reading changed): plan again."""
         scope: set[GpuId] = set()
@@ -376,29 +360,3 @@ class Scheduler:
                 t.swap_refusal = None
                 scope |= t.gpus
         return scope
-
-
-def _waiting_for(tenant: TenantRecord, now: float) -> str | None:
-    """Why a gated tenant is not let go although it may be next (``None``: it is not)."""
-    if not tenant.gated:
-        return None
-    if tenant.adopting_until > now:
-        return (
-            "re-adopted from a previous kiwid: it waits "
-            f"{tenant.adopting_until - now:.1f} s more for running tenants to show"
-        )
-    if tenant.waiting_for is not None and (
-        tenant.retry_at > now or tenant.state is S.HOLDER or tenant.residency is R.HOST
-    ):
-        return tenant.waiting_for
-    if tenant.residency.moving:
-        return f"its memory is moving ({tenant.residency.value})"
-    return None
-
-
-def _due(preempt: tuple[float, str] | None) -> float | None:
-    return None if preempt is None else preempt[0]
-
-
-def _gpu_sort_key(gpu: GpuId) -> tuple[int, str]:
-    return (int(gpu), gpu) if gpu.isdigit() else (1 << 30, gpu)

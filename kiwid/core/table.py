@@ -55,6 +55,8 @@ class TenantTable:
         # reconcile, never a missed deadline.
         self.deadlines: dict[GpuId, float] = {}
         self.restore_rate: dict[GpuId, float] = {}  # bytes/s, smoothed, per GPU
+        self.free_seen: dict[GpuId, int] = {}
+        """Per GPU, its free memory by the driver's last reading (bytes)."""
         self.host = HostMemory()
         self.changes = 0
         """Bumped by every state change: a pass that saw none can reuse what it counted."""

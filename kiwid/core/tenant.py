@@ -41,7 +41,14 @@ class TenantRecord:
     peak: dict[GpuId, int] = field(default_factory=dict)
     """The most memory it was seen using, per GPU (remembered while swapped)."""
     known: bool = False
-    """Whether it held the GPU before, so that ``peak`` is its working set."""
+    """Whether its working set is known: it held the GPU before, or its workload
+    ran before (``remembered``)."""
+    remembered: int = 0
+    """The peak footprint its workload had in an earlier run (bytes per GPU; 0: none)."""
+    unswappable: str | None = None
+    """Why its memory may never leave the card (the driver cannot checkpoint it)."""
+    free_wait_since: float | None = None
+    """Granted, its restore waits for the card's free memory since then."""
     last_run: float = -math.inf
     """When it was last granted (the least recently run is swapped out first)."""
     retry_at: float = -math.inf
@@ -94,6 +101,7 @@ class TenantRecord:
         """Whether its memory may be swapped out now (gated or about to be, no refusal)."""
         return (
             self.swap_refusal is None
+            and self.unswappable is None
             and self.gate_failure is None
             and self.policy.swap is TenantSwap.ALLOW
         )
@@ -114,4 +122,4 @@ class TenantRecord:
 
     def size(self, gpu: GpuId) -> int:
         """The memory it takes on ``gpu`` when on the card."""
-        return max(self.peak.get(gpu, 0), self.footprint.get(gpu) or 0)
+        return max(self.peak.get(gpu, 0), self.footprint.get(gpu) or 0, self.remembered)

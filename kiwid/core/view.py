@@ -19,6 +19,12 @@ class WaiterView:
     """Monotonic time it started waiting."""
     position: int
     """1 is next."""
+    ahead_s: float = 0.0
+    """The quanta of the waiters ahead of it (each its own: TQ x weight, or the rest
+    of one a higher class cut short)."""
+    outranked: bool = False
+    """A higher priority class holds or waits ahead: its wait has no bound but
+    ``max_wait``."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,12 @@ class GpuView:
     """When the holder must yield (``None``: nobody waits, it may keep the GPU)."""
     waiters: tuple[WaiterView, ...]
     memory_in_use_bytes: int
+    holder_quantum_s: float | None = None
+    """The holder's whole quantum (``None``: nobody holds)."""
+    free_bytes: int | None = None
+    """Its free memory by the driver's last reading (``None``: none yet)."""
+    handover_waits_for: TenantId | None = None
+    """The holder's quantum is over; the hand-over waits for this tenant's memory."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,8 @@ class TenantView:
     """Its entitled share of its GPUs now (0 unless its class bursts highest there)."""
     last_preemption: tuple[float, str, TenantId | None] | None = None
     """When it was last preempted (monotonic s), why, and for whom."""
+    remembered: int = 0
+    """The peak footprint its workload had in an earlier run (0: none remembered)."""
 
 
 @dataclass(frozen=True)

@@ -290,3 +290,22 @@ def test_lower_classes_wait_unless_max_wait_and_max_wait_bounds_every_wait(
         longest_quantum = 5.0 * max(w for w, _ in tenants)
         bound = max_wait + len(tenants) * longest_quantum + POLL_S
         assert max(watch.longest.values(), default=0.0) <= bound
+
+
+def test_the_view_counts_each_waiter_ahead_by_its_own_quantum() -> None:
+    node = Node()
+    node.join("a", weight=1)
+    node.join("b", weight=2)
+    node.join("c", weight=3)
+    node.join("low", priority=-1)
+    for name in ("a", "b", "c", "low"):
+        node.do(ActivitySeen(name))
+    gpu = node.sched.view(node.clock.now()).gpus[0]
+    assert gpu.holder == "a"
+    assert gpu.holder_quantum_s == 10.0
+    waiters = {w.tenant: w for w in gpu.waiters}
+    assert [w.tenant for w in gpu.waiters] == ["b", "c", "low"]
+    assert (waiters["b"].ahead_s, waiters["c"].ahead_s) == (0.0, 20.0)
+    assert waiters["low"].ahead_s == 50.0
+    assert not waiters["b"].outranked and not waiters["c"].outranked
+    assert waiters["low"].outranked  # behind a higher class: no bound but max_wait

@@ -1,0 +1,305 @@
+"""Memory moves: room for a holder, restores that cannot run out, prefetch, hand-overs.
+
+The rules of :mod:`kiwid.core.rotation` that move memory, kept apart from the ones
+that decide who holds. Three promises:
+
+* a restore starts only when the card has room for it by the scheduler's count
+  (everything on the card or moving onto or off it) *and* by the driver's last
+  reading of its free memory (what nobody the scheduler knows took), less the
+  restores in flight and ``memory.reserve_mib``. A restore that runs out of device
+  memory can leave a process stuck in host RAM for good, so it waits instead;
+* the next in line comes back before the holder's quantum ends whenever it fits
+  beside the tenants on the card, so that a hand-over only moves the gate;
+* a holder whose quantum is over keeps the GPU while the next one's memory is on
+  its way (at most one more TQ): the GPU works instead of waiting for a restore.
+"""
+
+from __future__ import annotations
+
+from kiwid.core import memory
+from kiwid.core.events import Action, SwapIn, SwapOut
+from kiwid.core.model import GpuId, SwapMode, TenantState
+from kiwid.core.residency import Move, Residency, move
+from kiwid.core.states import Trigger
+from kiwid.core.table import TenantTable
+from kiwid.core.tenant import TenantRecord
+
+S = TenantState
+R = Residency
+PREFETCH_MARGIN_S = 1.0
+DEFAULT_RESTORE_BYTES_PER_S = 5e9
+"""Restore rate assumed until one is seen (the driver's restore on an H200: 5.5-7 GB/s)."""
+
+
+# ---------------------------------------------------------------- holders
+
+
+def release_ungated(table: TenantTable, t: TenantRecord, now: float, actions: list[Action]) -> None:
+    """A gated tenant whose GPUs stopped gating: let go once its memory is on the card."""
+    if t.residency.on_card:
+        table.set_state(t, Trigger.GATING_STOPPED, now)
+        t.granted_at = None
+        table.let_go(t, now, actions)
+    elif t.residency is R.HOST and t.retry_at <= now:
+        short = shortfall(table, t, t.gpus, whole_card=False)
+        if short:
+            t.waiting_for = _no_room(table, t, short)
+            return
+        low = free_short(table, t, t.gpus)
+        if low is not None:
+            t.waiting_for = low
+            return
+        _restore(t, actions)
+
+
+def start_holder(
+    table: TenantTable,
+    t: TenantRecord,
+    gating: frozenset[GpuId],
+    now: float,
+    actions: list[Action],
+) -> None:
+    """A granted holder, still gated: room first, then its memory, then let it go."""
+    if t.residency.moving:
+        return  # its own swap ends first (a SwapFinished brings us back)
+    gpus = t.gpus & gating
+    missing = shortfall(table, t, gpus, whole_card=True)
+    if missing:
+        planned = False
+        for gpu, nbytes in sorted(missing.items()):
+            planned |= _make_room(table, t, gpu, nbytes, now=now, actions=actions)
+        leaving = [o.id for g in gpus for o in table.members(g) if o.residency is R.SWAPPING_OUT]
+        if planned or leaving:
+            t.waiting_for = f"room being made on GPU {','.join(sorted(gpus))}: " + (
+                f"{', '.join(sorted(set(leaving)))} swapping out" if leaving else "swap-outs asked"
+            )
+            return
+    if t.residency is R.HOST:
+        short = shortfall(table, t, gpus, whole_card=False)
+        if short:
+            _step_aside(table, t, f"{_no_room(table, t, short)}; the rest cannot leave", now)
+            return
+        low = free_short(table, t, gpus)
+        if low is None:
+            _restore(t, actions)
+            return
+        tq = table.policy_of(t).tq_s
+        since = t.free_wait_since = t.free_wait_since if t.free_wait_since is not None else now
+        if now - since >= tq:
+            _step_aside(table, t, f"{low} for {tq:g} s", now)
+        else:
+            t.waiting_for = low
+        return
+    t.free_wait_since = None
+    table.let_go(t, now, actions)
+
+
+def _restore(t: TenantRecord, actions: list[Action]) -> None:
+    t.residency = move(t.residency, Move.SWAP_IN)
+    t.waiting_for = None
+    t.free_wait_since = None
+    actions.append(SwapIn(t.id))
+
+
+def _step_aside(table: TenantTable, t: TenantRecord, why: str, now: float) -> None:
+    """A granted holder whose memory cannot come back: the next one runs instead."""
+    tq = table.policy_of(t).tq_s
+    t.retry_at = now + tq
+    t.free_wait_since = None
+    t.waiting_for = f"{why}. It tries again at its turn after {tq:g} s"
+    table.requeue(t, Trigger.SWAP_IN_FAILED, now)
+
+
+# ---------------------------------------------------------------- counting room
+
+
+def shortfall(
+    table: TenantTable, t: TenantRecord, gpus: frozenset[GpuId] | set[GpuId], *, whole_card: bool
+) -> dict[GpuId, int]:
+    """Bytes missing on each of ``gpus`` for ``t`` beside everything else on them.
+
+    ``whole_card``: what it needs to run (the whole card for a newcomer, by
+    policy), else what its restore needs (its own size). Only GPUs that swap
+    count: elsewhere nothing can be done about it, and the reserve and the driver
+    decide.
+    """
+    missing: dict[GpuId, int] = {}
+    for gpu in gpus:
+        policy = table.policies.get(gpu)
+        if policy is None or (policy.swap is SwapMode.NONE and whole_card):
+            continue
+        need = memory.need(t, gpu, policy) if whole_card else t.size(gpu)
+        short = memory.occupied(table.members(gpu), gpu, t) + need - memory.room(policy)
+        if short > 0:
+            missing[gpu] = short
+    return missing
+
+
+def free_short(
+    table: TenantTable, t: TenantRecord, gpus: frozenset[GpuId] | set[GpuId]
+) -> str | None:
+    """Why the driver's free memory cannot take ``t``'s restore now (``None``: it can).
+
+    Its bytes, plus ``memory.reserve_mib``, plus every restore in flight on the
+    card (counted whole), must be free by the last reading.
+    """
+    for gpu in sorted(gpus):
+        free = table.free_seen.get(gpu)
+        policy = table.policies.get(gpu)
+        if free is None or policy is None:
+            continue
+        size = t.size(gpu)
+        inflight = memory.restoring(table.members(gpu), gpu, t)
+        if free < size + policy.reserve_bytes + inflight:
+            also = f" and {memory.gib(inflight)} of restores in flight" if inflight else ""
+            return (
+                f"waiting for free memory on GPU {gpu}: the driver reports {memory.gib(free)} "
+                f"free, its restore needs {memory.gib(size)} plus memory.reserve_mib "
+                f"({memory.gib(policy.reserve_bytes)}){also}"
+            )
+    return None
+
+
+def _no_room(table: TenantTable, t: TenantRecord, short: dict[GpuId, int]) -> str:
+    gpu = min(short)
+    policy = table.policies[gpu]
+    free = memory.room(policy) - memory.occupied(table.members(gpu), gpu, t)
+    return (
+        f"no room on GPU {gpu}: its {memory.gib(t.size(gpu))} do not fit in the "
+        f"{memory.gib(max(0, free))} free"
+    )
+
+
+# ---------------------------------------------------------------- swap-outs
+
+
+def _make_room(
+    table: TenantTable,
+    t: TenantRecord,
+    gpu: GpuId,
+    missing: int,
+    *,
+    now: float,
+    actions: list[Action],
+) -> bool:
+    """Swap out resident non-holders on ``gpu`` for ``t``; whether any was asked for."""
+    modes = {g: p.swap for g, p in table.policies.items()}
+    everyone = memory.wants_whole_card(t, table.policies[gpu])
+    planned = False
+    for victim in memory.victims(t, gpu, table.members(gpu), missing, modes, everyone=everyone):
+        if _floor_refusal(table, victim):
+            continue
+        if victim.state is S.IDLE:  # it must be gated before it can be swapped
+            table.gate(victim, actions)
+            table.set_state(victim, Trigger.SWAPPED_OUT, now)
+            victim.seq = table.next_seq()
+        swap_out(table, victim, actions)
+        planned = True
+    return planned
+
+
+def _floor_refusal(table: TenantTable, t: TenantRecord) -> str | None:
+    """Refuse (and say why) a swap-out that would leave host RAM below the floor."""
+    leaving = sum(
+        o.size(g) for o in table.tenants.values() if o.residency is R.SWAPPING_OUT for g in o.gpus
+    )
+    why = table.host.refusal(sum(t.size(g) for g in t.gpus), leaving)
+    if why is not None and why != t.swap_refusal:
+        t.swap_refusal = why
+        table.notices.append((t.id, f"its memory stays on the GPU, gated: {why}"))
+    return why
+
+
+def swap_out(table: TenantTable, t: TenantRecord, actions: list[Action]) -> None:
+    """Send a gated tenant's memory to host RAM, unless the host RAM floor forbids it."""
+    if _floor_refusal(table, t) is not None:
+        return
+    t.residency = move(t.residency, Move.SWAP_OUT)
+    actions.append(SwapOut(t.id))
+
+
+# ---------------------------------------------------------------- hand-overs
+
+
+def next_in_line(
+    holder: TenantRecord, gating: frozenset[GpuId], queue: list[TenantRecord]
+) -> TenantRecord | None:
+    """The first waiter on the holder's GPUs (the one its hand-over goes to)."""
+    gpus = holder.gpus & gating
+    return next((t for t in queue if t.gpus & gpus and t.state is S.WAITING), None)
+
+
+def prefetch(
+    table: TenantTable,
+    holder: TenantRecord,
+    gating: frozenset[GpuId],
+    queue: list[TenantRecord],
+    due: float,
+) -> tuple[TenantRecord, float] | None:
+    """The tenant to bring back before ``holder``'s quantum ends at ``due``, and when.
+
+    Only the first in line on the holder's GPUs, only if it is in host RAM, its
+    footprint is known, it fits beside everything on the card (a prefetch never
+    evicts anyone) and the driver's free memory takes it.
+    """
+    nxt = next_in_line(holder, gating, queue)
+    if nxt is None or nxt.residency is not R.HOST or not _may_return(table, nxt):
+        return None
+    seconds = PREFETCH_MARGIN_S
+    for gpu in nxt.gpus & gating:
+        policy = table.policies[gpu]
+        if policy.swap is SwapMode.NONE:
+            return None
+        used = memory.occupied(table.members(gpu), gpu, nxt)
+        if used + nxt.size(gpu) > memory.room(policy):
+            return None
+        rate = table.restore_rate.get(gpu, DEFAULT_RESTORE_BYTES_PER_S)
+        seconds = max(seconds, nxt.size(gpu) / rate + PREFETCH_MARGIN_S)
+    if free_short(table, nxt, nxt.gpus & gating) is not None:
+        return None
+    return nxt, due - seconds
+
+
+def deferred_until(
+    table: TenantTable,
+    holder: TenantRecord,
+    gating: frozenset[GpuId],
+    queue: list[TenantRecord],
+    due: float,
+) -> float | None:
+    """Until when ``holder`` keeps the GPU past its quantum's end ``due`` (``None``: it does not).
+
+    While the next one's memory is on its way back (a restore in flight, or one
+    that only waits for swap-outs in flight to make room beside the holder), the
+    hand-over waits for it: the holder works on instead of the GPU waiting for a
+    restore. At most one more TQ, so that a stuck swap cannot keep the GPU.
+    """
+    nxt = next_in_line(holder, gating, queue)
+    if nxt is None or not _arriving(table, nxt, gating):
+        return None
+    gpus = holder.gpus & gating
+    return due + min((table.policies[g].tq_s for g in gpus), default=0.0)
+
+
+def _arriving(table: TenantTable, nxt: TenantRecord, gating: frozenset[GpuId]) -> bool:
+    if nxt.residency is R.PREFETCHING:
+        return True
+    if nxt.residency not in (R.HOST, R.SWAPPING_OUT) or not _may_return(table, nxt):
+        return False
+    leaving = nxt.residency is R.SWAPPING_OUT
+    for gpu in nxt.gpus & gating:
+        policy = table.policies[gpu]
+        if policy.swap is SwapMode.NONE:
+            return False
+        members = table.members(gpu)
+        going = sum(o.size(gpu) for o in members if o is not nxt and o.residency is R.SWAPPING_OUT)
+        if memory.occupied(members, gpu, nxt) - going + nxt.size(gpu) > memory.room(policy):
+            return False
+        leaving |= going > 0
+    # Nothing on its way out: it must be able to start now, else it waits on memory
+    # nobody here frees (the driver's reading), which is no reason to hold the GPU.
+    return leaving or free_short(table, nxt, nxt.gpus & gating) is None
+
+
+def _may_return(table: TenantTable, t: TenantRecord) -> bool:
+    return t.known and t.retry_at <= table.now and t.adopting_until <= table.now

@@ -1,0 +1,125 @@
+"""Read-only snapshots of the scheduler's tables, for status displays.
+
+Everything here reads the tables and copies what it shows; nothing decides.
+"""
+
+from __future__ import annotations
+
+from kiwid.core import memory, room
+from kiwid.core.model import GpuId, TenantId, TenantState
+from kiwid.core.residency import Residency
+from kiwid.core.table import TenantTable
+from kiwid.core.tenant import TenantRecord
+from kiwid.core.view import GpuView, SchedulerView, TenantView, WaiterView
+
+S = TenantState
+R = Residency
+
+
+def view(table: TenantTable, now: float) -> SchedulerView:
+    """Everything a status display needs, at ``now`` (copies: nothing of the table leaks)."""
+    gating = table.gating()
+    queue = table.queue(gating)
+    gpus: list[GpuView] = []
+    for gpu, policy in sorted(table.policies.items(), key=lambda kv: _gpu_sort_key(kv[0])):
+        on_gpu = table.members(gpu)
+        holder = next((t for t in on_gpu if t.state is S.HOLDER and gpu in gating), None)
+        waiters = [t for t in queue if gpu in t.gpus and t.state is S.WAITING]
+        quanta = [table.quantum(t, t.gpus & gating) for t in waiters]
+        gpus.append(
+            GpuView(
+                gpu=gpu,
+                policy=policy,
+                gating=gpu in gating,
+                holder=holder.id if holder else None,
+                holder_since=holder.granted_at if holder else None,
+                preempt_at=_due(table.preempt_at(holder, gating)) if holder else None,
+                holder_quantum_s=table.quantum(holder, holder.gpus & gating) if holder else None,
+                waiters=tuple(
+                    WaiterView(
+                        t.id,
+                        t.state_since,
+                        position,
+                        ahead_s=sum(quanta[: position - 1]),
+                        outranked=any(
+                            o.policy.priority > t.policy.priority
+                            for o in ([holder] if holder else []) + waiters[: position - 1]
+                        ),
+                    )
+                    for position, t in enumerate(waiters, start=1)
+                ),
+                memory_in_use_bytes=memory.occupied(on_gpu, gpu, None),
+                free_bytes=table.free_seen.get(gpu),
+                handover_waits_for=_handover_waits_for(table, holder, gating, queue),
+            )
+        )
+    tenants = tuple(
+        TenantView(
+            tenant=t.id,
+            state=t.state,
+            since=t.state_since,
+            gpus=t.gpus,
+            last_active=t.last_active,
+            footprint=dict(t.footprint),
+            ledger=t.ledger.view(t.state, t.state_since, now, t.entitled(now)),
+            resident=t.residency.on_card,
+            peak=dict(t.peak),
+            residency=t.residency,
+            gated=t.gated,
+            waiting_for=_waiting_for(t, now),
+            swap_refusal=t.unswappable or t.swap_refusal,
+            gate_failure=t.gate_failure,
+            policy=t.policy,
+            quantum_s=table.quantum(t, t.gpus & gating) if t.gpus & gating else None,
+            boosted=t.boosted,
+            entitled_share=t.entitled_rate,
+            last_preemption=t.last_preemption,
+            remembered=t.remembered,
+        )
+        for t in sorted(table.tenants.values(), key=lambda t: t.id)
+    )
+    return SchedulerView(now=now, gpus=tuple(gpus), tenants=tenants)
+
+
+def _handover_waits_for(
+    table: TenantTable,
+    holder: TenantRecord | None,
+    gating: frozenset[GpuId],
+    queue: list[TenantRecord],
+) -> TenantId | None:
+    """Whom a holder past its quantum keeps the GPU for while their memory comes back."""
+    if holder is None or holder.gated:
+        return None
+    due = table.preempt_at(holder, gating)
+    if due is None or due[1] != "quantum" or due[0] > table.now:
+        return None
+    if room.deferred_until(table, holder, gating, queue, due[0]) is None:
+        return None
+    nxt = room.next_in_line(holder, gating, queue)
+    return nxt.id if nxt else None
+
+
+def _waiting_for(tenant: TenantRecord, now: float) -> str | None:
+    """Why a gated tenant is not let go although it may be next (``None``: it is not)."""
+    if not tenant.gated:
+        return None
+    if tenant.adopting_until > now:
+        return (
+            "re-adopted from a previous kiwid: it waits "
+            f"{tenant.adopting_until - now:.1f} s more for running tenants to show"
+        )
+    if tenant.waiting_for is not None and (
+        tenant.retry_at > now or tenant.state is S.HOLDER or tenant.residency is R.HOST
+    ):
+        return tenant.waiting_for
+    if tenant.residency.moving:
+        return f"its memory is moving ({tenant.residency.value})"
+    return None
+
+
+def _due(preempt: tuple[float, str] | None) -> float | None:
+    return None if preempt is None else preempt[0]
+
+
+def _gpu_sort_key(gpu: GpuId) -> tuple[int, str]:
+    return (int(gpu), gpu) if gpu.isdigit() else (1 << 30, gpu)

@@ -143,6 +143,19 @@ class GpuBackend(Protocol):
         """
         ...
 
+    def free_memory(self, index: int) -> int:
+        """Return the GPU's free memory in bytes, as the driver counts it.
+
+        Args:
+            index: The GPU index.
+
+        Raises:
+            GpuLost: The GPU is unusable.
+            DriverUnavailable: The driver or its library cannot be used.
+            GpuBackendError: Any other failure, including an unknown index.
+        """
+        ...
+
     def close(self) -> None:
         """Release the backend's resources; safe to call more than once."""
         ...

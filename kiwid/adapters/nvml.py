@@ -234,6 +234,19 @@ class NvmlBackend:
             procs = self._query_processes(index)
             return [GpuProcess(int(p.pid), _memory(p.usedGpuMemory)) for p in procs]
 
+    def free_memory(self, index: int) -> int:
+        """Return the GPU's free memory (``nvmlDeviceGetMemoryInfo``'s ``free``), in bytes.
+
+        Raises:
+            GpuLost: ``NVMLError_GpuIsLost`` / ``ResetRequired`` / ``Unknown``.
+            DriverUnavailable: NVML is unusable (see the module docstring).
+            GpuBackendError: Any other ``NVMLError``, e.g. an unknown index.
+        """
+        with self._lock:
+            self._ensure_init()
+            memory = self._call(index, "nvmlDeviceGetMemoryInfo", pynvml.nvmlDeviceGetMemoryInfo)
+            return int(memory.free)
+
     def _query_processes(self, index: int) -> Any:
         """Call the newest available running-processes function (lock held).
 

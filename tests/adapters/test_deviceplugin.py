@@ -573,6 +573,9 @@ class FlakyBackend:
     def active_pids(self, index: int, window_s: float) -> frozenset[int]:
         return frozenset()
 
+    def free_memory(self, index: int) -> int:
+        return 0
+
     def close(self) -> None:
         pass
 

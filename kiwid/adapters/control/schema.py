@@ -128,6 +128,9 @@ COMMANDS: Mapping[str, CommandSpec] = MappingProxyType(
             ),
         ),
         "sim-detach": CommandSpec(Access.ADMIN, _args(pid=Arg(Kind.INTEGER))),
+        "sim-foreign": CommandSpec(
+            Access.ADMIN, _args(gpu=Arg(Kind.INTEGER), memory_bytes=Arg(Kind.INTEGER))
+        ),
         # From kiwi-hook (OCI createRuntime / poststop): a container, its names and, on
         # Kubernetes, the device plugin's device IDs it was given.
         "register": CommandSpec(

@@ -101,6 +101,7 @@ class SimBackend:
         self._lock = threading.Lock()
         self._entries: dict[tuple[int, int], Attachment] = {}  # (pid, index) -> entry
         self._lost: set[int] = set()
+        self._foreign: dict[int, int] = {}  # index -> bytes no process shows
         self._exits = select.poll()  # the pidfds: one syscall tells who exited
         self._by_fd: dict[int, tuple[int, int]] = {}
         self._dirty = False
@@ -273,23 +274,36 @@ class SimBackend:
         with self._lock:
             self._check_swap_in(pids)
 
-    def resident_of(self, pids: Sequence[int]) -> int:
-        """The bytes of ``pids`` on their simulated GPUs."""
-        with self._lock:
-            return sum(
-                e.used_memory_bytes
-                for (p, _), e in self._entries.items()
-                if p in pids and not e.swapped
-            )
+    def resident_of(self, pids: Sequence[int]) -> dict[int, int]:
+        """The bytes of ``pids`` on each simulated GPU (by index), not swapped out."""
+        return self._bytes_of(pids, swapped=False)
 
-    def swapped_of(self, pids: Sequence[int]) -> int:
-        """The bytes of ``pids`` swapped out ("in host RAM")."""
+    def swapped_of(self, pids: Sequence[int]) -> dict[int, int]:
+        """The bytes of ``pids`` swapped out ("in host RAM"), by GPU index."""
+        return self._bytes_of(pids, swapped=True)
+
+    def _bytes_of(self, pids: Sequence[int], *, swapped: bool) -> dict[int, int]:
+        out: dict[int, int] = {}
         with self._lock:
-            return sum(
-                e.used_memory_bytes
-                for (p, _), e in self._entries.items()
-                if p in pids and e.swapped
-            )
+            for (pid, index), e in self._entries.items():
+                if pid in pids and e.swapped is swapped:
+                    out[index] = out.get(index, 0) + e.used_memory_bytes
+        return out
+
+    def free_memory(self, index: int) -> int:
+        """The simulated GPU's free memory: its size less what is on it and ``foreign``."""
+        with self._lock:
+            self._check_query(index)
+            used = self._resident_bytes(index) + self._foreign.get(index, 0)
+            return max(0, self._devices[index].memory_total_bytes - used)
+
+    def set_foreign(self, index: int, nbytes: int) -> None:
+        """Memory on a simulated GPU that no process shows (the driver, a display server)."""
+        with self._lock:
+            self._check_index(index)
+            if nbytes < 0:
+                raise ValueError(f"foreign memory must be >= 0 bytes, not {nbytes}")
+            self._foreign[index] = nbytes
 
     def _check_swap_in(self, pids: Sequence[int]) -> dict[int, int]:
         moved: dict[int, int] = {}
@@ -297,7 +311,7 @@ class SimBackend:
             if pid in pids and entry.swapped:
                 moved[index] = moved.get(index, 0) + entry.used_memory_bytes
         for index, nbytes in moved.items():
-            resident = self._resident_bytes(index)
+            resident = self._resident_bytes(index) + self._foreign.get(index, 0)
             total = self._devices[index].memory_total_bytes
             if resident + nbytes > total:
                 raise SimOutOfMemory(

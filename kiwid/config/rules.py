@@ -20,6 +20,7 @@ from kiwid.config.schema import (
     GATES,
     LOG_LEVELS,
     MODES,
+    NEWCOMERS,
     SWAPS,
     TENANT_SWAPS,
     ServiceLimits,
@@ -138,6 +139,8 @@ MEMORY_RULES = {
     "reserve_mib": _within("reserve_mib", int, "MiB", 0),
     "swap": _choice("swap", SWAPS),
     "host_floor_mib": _within("host_floor_mib", int, "MiB", 0),
+    "checkpoint_lanes": _within("checkpoint_lanes", int, "concurrent checkpoints", 1, 8),
+    "newcomer": _choice("newcomer", NEWCOMERS),
 }
 METRICS_RULES = {
     "listen": Rule("listen", str, '"host:port" or "" (off)', lambda v: v == "" or _host_port(v)),

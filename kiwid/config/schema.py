@@ -24,6 +24,9 @@ GATES = ("auto", "freeze", "cuda-lock")
 SWAPS = ("none", "checkpoint", "auto")
 """Memory swapping, see :attr:`MemorySettings.swap`."""
 
+NEWCOMERS = ("whole-card", "free")
+"""What a newcomer gets, see :attr:`MemorySettings.newcomer`."""
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 """Log levels, see :attr:`DaemonSettings.log_level`."""
 
@@ -267,6 +270,20 @@ class MemorySettings:
     """MiB of available host RAM that a swap-out must leave: one that would go below
     is not done (the tenant stays gated with its memory on the card, and status says
     why). Default 4096. Must be >= 0."""
+
+    checkpoint_lanes: int = 1
+    """How many swap-outs (checkpoints) may run at once on one GPU. A swap-in always
+    runs beside them (the host link is full duplex), one at a time. Default 1: on an
+    H200 with driver r580 concurrent checkpoints share the driver's copy rate (see
+    docs/memory.md). Range 1 to 8."""
+
+    newcomer: str = "whole-card"
+    """What a tenant gets on its first turn when nobody knows its working set (it
+    never held the GPU, and its workload never ran here before): ``"whole-card"``
+    every other tenant's memory leaves first, so it may allocate all it wants, at
+    the cost of one slow first hand-over; ``"free"`` only what it showed so far is
+    made room for: a faster first turn, but a job that then grows beyond what is
+    free runs out of memory. Default ``"whole-card"``."""
 
 
 @dataclass(frozen=True)

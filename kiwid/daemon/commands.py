@@ -85,7 +85,13 @@ async def _tenants(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     resolved = c.ctx.tenant_policies.resolved
     return {
         "tenants": [
-            tenant_json(engine.tracker.tenants.get(t.tenant), t, resolved.get(t.tenant), now)
+            tenant_json(
+                engine.tracker.tenants.get(t.tenant),
+                t,
+                resolved.get(t.tenant),
+                now,
+                c.ctx.workloads.workload(t.tenant),
+            )
             for t in engine.scheduler.view(now).tenants
         ]
     }
@@ -181,6 +187,16 @@ async def _sim_detach(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     return {"detached": _sim(c, "sim-detach").detach(args["pid"])}
 
 
+async def _sim_foreign(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    """Memory on a simulated GPU that no process shows (to test safe restores)."""
+    backend = _sim(c, "sim-foreign")
+    try:
+        backend.set_foreign(args["gpu"], args["memory_bytes"])
+    except ValueError as err:
+        raise ControlError("invalid-value", str(err)) from None
+    return {"gpu": args["gpu"], "foreign_bytes": args["memory_bytes"]}
+
+
 def _tenant_key(c: Commands, ref: str) -> str:
     if ref not in c.ctx.engine.tracker.tenants:
         raise ControlError(
@@ -242,6 +258,7 @@ HANDLERS: dict[str, Handler] = {
     "set-tq": _set_tq,
     "set-mode": _set_mode,
     "sim-attach": _sim_attach,
+    "sim-foreign": _sim_foreign,
     "sim-detach": _sim_detach,
     "set-weight": _set_weight,
     "set-priority": _set_priority,

@@ -12,15 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiwid.adapters.gpu import DeviceInfo, GpuBackend
+from kiwid.adapters.gpu import DeviceInfo, GpuBackend, GpuBackendError
 from kiwid.adapters.notify import Notifier
 from kiwid.config import Settings
 from kiwid.core.events import GpusConfigured
 from kiwid.core.model import GpuPolicy
 from kiwid.daemon import policy
 from kiwid.daemon.engine import Engine
+from kiwid.daemon.executor import Lanes
 from kiwid.daemon.state import StateFile
 from kiwid.daemon.tenant_policy import PolicyBook
+from kiwid.daemon.workloads import WorkloadBook
 
 
 @dataclass
@@ -52,6 +54,8 @@ class Context:
     backend: GpuBackend
     engine: Engine
     state: StateFile
+    workloads: WorkloadBook
+    """The workloads remembered across runs (peak footprints, failed checkpoints)."""
     notifier: Notifier
     clock: Callable[[], float]
     can_swap: bool = False
@@ -76,6 +80,17 @@ class Context:
     def configured(self) -> GpusConfigured:
         """The event that tells the scheduler the GPUs and settings in force."""
         return GpusConfigured(self.policies(), self.settings.memory.host_floor_mib * policy.MIB)
+
+    def lanes(self) -> Lanes:
+        """How many swaps may run at once on one GPU, by the settings in force."""
+        return Lanes(out=self.settings.memory.checkpoint_lanes)
+
+    def free_bytes(self, gpu: str) -> int | None:
+        """A managed GPU's free memory by the driver now (``None``: it cannot be read)."""
+        try:
+            return self.backend.free_memory(int(gpu))
+        except (GpuBackendError, ValueError):
+            return None
 
     def gpu_of(self, ref: object) -> str | None:
         """The index of the GPU ``ref`` names (an index or a UUID), or ``None``."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
-from kiwid.core.events import Event, GateFailed, SwapFinished
+from kiwid.core.events import Event, GateFailed, MemoryFreeSeen, SwapFinished
 from kiwid.daemon.executor import Job, Kind
 from kiwid.daemon.gates import GateError, TenantGate
 from kiwid.daemon.state import StateFile
@@ -23,6 +23,32 @@ from kiwid.daemon.swap import SwapError, Swapper
 from kiwid.daemon.tenants import TenantInfo
 
 log = logging.getLogger("kiwid.engine")
+
+
+def _unknown(_: str) -> int | None:
+    return None
+
+
+def _no_reason(_: Sequence[int]) -> str | None:
+    return None
+
+
+def _nobody(tenant: str, reason: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class SwapGuards:
+    """What a swap asks of the world around it (the daemon wires them to the GPU)."""
+
+    free_bytes: Callable[[str], int | None] = _unknown
+    """A GPU's free memory now, by the driver (``None``: it cannot be read)."""
+    reserve_bytes: Callable[[], int] = int
+    """``memory.reserve_mib`` in force, in bytes."""
+    unswappable: Callable[[Sequence[int]], str | None] = _no_reason
+    """Why a tenant's processes cannot be checkpointed (``None``: no sign of it)."""
+    checkpoint_failed: Callable[[str, str], None] = _nobody
+    """Told of every tenant the driver could not (or must not) checkpoint, and why."""
 
 
 class Effects:
@@ -34,11 +60,13 @@ class Effects:
         state: StateFile,
         swapper: Swapper | None = None,
         clock: Callable[[], float] = time.monotonic,
+        guards: SwapGuards | None = None,
     ) -> None:
         """Gate with ``gate``, record in ``state``, move memory with ``swapper``."""
         self.gate = gate
         self.state = state
         self.swapper = swapper
+        self.guards = guards or SwapGuards()
         self._clock = clock
 
     def carry_out(self, job: Job) -> list[Event]:
@@ -50,7 +78,7 @@ class Effects:
                 case Kind.UNGATE:
                     self._ungate(job.tenant)
                 case Kind.SWAP_OUT | Kind.SWAP_IN:
-                    return [self._swap(job)]
+                    return self._swap(job)
                 case Kind.FORGET:
                     self._forget(job.tenant)
         except Exception:  # a bug must not stop the rotation for good
@@ -100,8 +128,21 @@ class Effects:
         log.debug("Ungated %s", tenant)
         return True
 
-    def _swap(self, job: Job) -> SwapFinished:
-        """Carry out one swap; say how it went."""
+    def _swap(self, job: Job) -> list[Event]:
+        """Carry out one swap; say how it went, after the cards' free memory now."""
+        finished = self._swap_once(job)
+        return [*self._readings(job.gpus), finished]
+
+    def _readings(self, gpus: frozenset[str]) -> list[Event]:
+        """Fresh readings of the cards' free memory (a restore may wait for one)."""
+        out: list[Event] = []
+        for gpu in sorted(gpus):
+            free = self.guards.free_bytes(gpu)
+            if free is not None:
+                out.append(MemoryFreeSeen(gpu, free))
+        return out
+
+    def _swap_once(self, job: Job) -> SwapFinished:
         direction = "out" if job.kind is Kind.SWAP_OUT else "in"
         who = _who(job.info) if job.info else job.tenant
         record = self.state.records.get(job.tenant)
@@ -110,6 +151,13 @@ class Effects:
             why = "swapping is unavailable" if swapper is None else "it is not gated"
             log.warning("Swap %s of %s not done: %s", direction, who, why)
             return SwapFinished(job.tenant, direction, ok=False, reason=why)
+        if direction == "out" and (never := self.guards.unswappable(record.pids)) is not None:
+            log.warning("Swap out of %s not done: %s; its memory stays on the GPU", who, never)
+            self.guards.checkpoint_failed(job.tenant, never)
+            return SwapFinished(job.tenant, "out", ok=False, reason=never, unswappable=True)
+        if direction == "in" and (short := self._too_little_free(record.swapped or {})):
+            log.info("Swap in of %s waits: %s", who, short)
+            return SwapFinished(job.tenant, "in", ok=False, reason=short, deferred=True)
         started = self._clock()
         try:
             if direction == "out":
@@ -118,8 +166,9 @@ class Effects:
                 self.state.put(swapped)  # write-ahead: recovery restores it if we die
                 try:
                     swapper.swap_out(swapped)
-                except SwapError:
+                except SwapError as err:
                     self.state.put(record)
+                    self.guards.checkpoint_failed(job.tenant, str(err))
                     raise
             else:
                 moved = sum((record.swapped or {}).values())
@@ -145,6 +194,24 @@ class Effects:
             moved / seconds / 1e9 if seconds > 0 else 0.0,
         )
         return SwapFinished(job.tenant, direction, ok=True, moved_bytes=moved, seconds=seconds)
+
+    def _too_little_free(self, coming: dict[str, int]) -> str | None:
+        """Why a restore of ``coming`` (bytes per GPU) must not start now (``None``: it may).
+
+        A restore that runs out of device memory can leave a process stuck in host
+        RAM for good, so the driver's free memory is read right before each one.
+        """
+        reserve = self.guards.reserve_bytes()
+        for gpu, nbytes in sorted(coming.items()):
+            free = self.guards.free_bytes(gpu)
+            if free is not None and free < nbytes + reserve:
+                gib = 2**30
+                return (
+                    f"waiting for free memory on GPU {gpu}: the driver reports "
+                    f"{free / gib:.1f} GiB free, its restore needs {nbytes / gib:.1f} GiB plus "
+                    f"memory.reserve_mib ({reserve / gib:.1f} GiB)"
+                )
+        return None
 
     def _forget(self, tenant: str) -> None:
         """A tenant left: undo what may remain of its gate (its cgroup may be gone)."""

@@ -10,9 +10,11 @@ with :meth:`Executor.finish`. The rules:
 2. An ungate waits for every gate asked for before it on a GPU it shares: the
    previous holder is stopped before the next one runs.
 3. Swaps go through lanes per GPU: at most ``lanes.out`` swap-outs and
-   ``lanes.in_`` swap-ins at once on one GPU, or, with ``lanes.shared``, one lane
-   for both directions. Within a lane, swaps start in the order they were asked
-   for. A gate or ungate never waits behind another tenant's swap.
+   ``lanes.in_`` swap-ins at once on one GPU, the two directions side by side (the
+   host link is full duplex: a checkpoint and a restore do not slow each other),
+   or, with ``lanes.shared``, one lane for both. Within a lane, swaps start in the
+   order they were asked for. A gate or ungate never waits behind another
+   tenant's swap.
 
 The scheduler already keeps memory safe (a restore is asked for only when the
 card has room for it, a tenant is let go only with its memory on the card); the
@@ -54,8 +56,9 @@ class Lanes:
     """How many swaps may run at once on one GPU."""
 
     out: int = 1
+    """Swap-outs (``memory.checkpoint_lanes``)."""
     in_: int = 1
-    shared: bool = True
+    shared: bool = False
     """One lane for both directions (``out`` swaps of either kind at once)."""
 
 
@@ -79,7 +82,7 @@ class Executor:
     """Hands out jobs in an order that keeps each tenant's and each GPU's rules."""
 
     def __init__(self, lanes: Lanes | None = None) -> None:
-        """Start empty with ``lanes`` per GPU (default: one swap at a time per GPU)."""
+        """Start empty with ``lanes`` per GPU (default: one swap each way at a time)."""
         self.lanes = lanes or Lanes()
         self._seq = itertools.count()
         self._queued: list[Job] = []

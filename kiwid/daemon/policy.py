@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kiwid.adapters.gpu import DeviceInfo
 from kiwid.config import Settings
-from kiwid.core.model import GpuPolicy, Mode, SwapMode
+from kiwid.core.model import GpuPolicy, Mode, Newcomer, SwapMode
 
 MIB = 2**20
 
@@ -59,6 +59,7 @@ def effective(
         swap=SwapMode(settings.memory.swap) if can_swap else SwapMode.NONE,
         preempt_after_s=settings.scheduler.preempt_after,
         max_wait_s=settings.scheduler.max_wait or None,
+        newcomer=Newcomer(settings.memory.newcomer),
     )
 
 

@@ -80,6 +80,7 @@ def reload(ctx: Context, status: StatusCache, reason: str, on_change: Callable[[
     ctx.settings = loaded.settings
     ctx.overrides = policy.RuntimeOverrides()  # the file is the persistent truth
     ctx.tenant_policies.reload(ctx.settings.tenants)
+    ctx.engine.executor.lanes = ctx.lanes()
     set_level(ctx.settings.daemon.log_level)
     event = ctx.configured()
     ctx.engine.apply([event, *ctx.tenant_policies.events(ctx.engine.tracker.tenants)])

@@ -18,6 +18,7 @@ from kiwid.core.events import (
     Event,
     GpusConfigured,
     HostMemorySeen,
+    MemoryFreeSeen,
     TenantAttached,
     TenantDetached,
 )
@@ -81,7 +82,17 @@ def poll(ctx: Context) -> list[Event]:
     rest = [
         e for e in events if not isinstance(e, TenantAttached | TenantDetached | GpusConfigured)
     ]
-    events = [*arrivals, *ctx.tenant_policies.events(ctx.engine.tracker.tenants), *rest]
+    tenants = ctx.engine.tracker.tenants
+    # What a workload's earlier runs left (its footprint, a failed checkpoint) also
+    # before its activity: a recurring job is sized before its first turn.
+    remembered = ctx.workloads.events(tenants)
+    ctx.workloads.observe(tenants)
+    ctx.workloads.save_if_due()
+    events = [*arrivals, *ctx.tenant_policies.events(tenants), *remembered, *rest]
     if ctx.can_swap and ctx.settings.memory.swap != "none":
         events.append(HostMemorySeen(procs.available_host_memory()))
+        for sample in samples:
+            free = ctx.free_bytes(sample.gpu)
+            if free is not None:
+                events.append(MemoryFreeSeen(sample.gpu, free))
     return events

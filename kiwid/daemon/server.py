@@ -30,12 +30,12 @@ from kiwid.adapters.notify import Notifier
 from kiwid.adapters.watch import ConfigWatcher, WatchError
 from kiwid.config import LoadedConfig
 from kiwid.core.scheduler import Scheduler
-from kiwid.daemon import recovery, reload
+from kiwid.daemon import checkpointable, policy, recovery, reload
 from kiwid.daemon.admission import Admission
 from kiwid.daemon.cdi_spec import write_cdi_spec
 from kiwid.daemon.commands import Commands
 from kiwid.daemon.context import Context
-from kiwid.daemon.effects import Effects
+from kiwid.daemon.effects import Effects, SwapGuards
 from kiwid.daemon.engine import Engine, ThreadRunner
 from kiwid.daemon.executor import Lanes
 from kiwid.daemon.gates import TenantGate
@@ -45,6 +45,7 @@ from kiwid.daemon.state import StateError, StateFile
 from kiwid.daemon.status import StatusCache, summary_line
 from kiwid.daemon.swap import Swapper
 from kiwid.daemon.tenants import Identity, TenantTracker
+from kiwid.daemon.workloads import WorkloadBook
 
 log = logging.getLogger("kiwid")
 
@@ -89,12 +90,20 @@ class Daemon:
             backend=backend,
             engine=engine,
             state=state,
+            workloads=WorkloadBook(settings.daemon.state_dir),
             notifier=notifier or Notifier(),
             clock=clock,
             can_swap=swapper is not None,
             started=clock(),
         )
         self.ctx.tenant_policies.reload(settings.tenants)
+        engine.executor.lanes = lanes or self.ctx.lanes()
+        engine.effects.guards = SwapGuards(
+            free_bytes=self.ctx.free_bytes,
+            reserve_bytes=self._reserve_bytes,
+            unswappable=checkpointable.why_not,
+            checkpoint_failed=self.ctx.workloads.checkpoint_failed,
+        )
         self.status = StatusCache(self.ctx)
         self.admission = Admission(self.ctx, lambda: self.should_exit)
         self.commands = Commands(self.ctx, self.status, self.admission)
@@ -109,6 +118,9 @@ class Daemon:
         self._runner: ThreadRunner | None = None
         for warning in loaded.warnings:
             log.warning("%s: %s", config_path, warning)
+
+    def _reserve_bytes(self) -> int:
+        return self.ctx.settings.memory.reserve_mib * policy.MIB
 
     @property
     def engine(self) -> Engine:
@@ -321,6 +333,7 @@ class Daemon:
             )
             ctx.state.unlock()
             return RUNTIME_FAILURE
+        ctx.workloads.save()
         ctx.state.clear()
         ctx.state.unlock()
         log.info("Stopped; no tenant is gated")

@@ -14,7 +14,7 @@ from typing import Any
 from kiwid import __version__
 from kiwid.adapters.control import EncodedResult
 from kiwid.core.ledger import LedgerView
-from kiwid.core.model import GpuPolicy
+from kiwid.core.model import GpuPolicy, SwapMode
 from kiwid.core.view import GpuView, TenantView, WaiterView
 from kiwid.daemon.context import Context
 from kiwid.daemon.policy import MIB, configured
@@ -51,6 +51,7 @@ def tenant_json(
     view: TenantView,
     resolved: Resolved | None = None,
     now: float | None = None,
+    workload: str | None = None,
 ) -> dict[str, Any]:
     """One tenant, as status and ``tenants`` list it.
 
@@ -85,6 +86,8 @@ def tenant_json(
         "boosted": view.boosted,
         "entitled_share_now": round(view.entitled_share, 4),
         "last_preemption": _preemption_json(view.last_preemption, now),
+        "workload": workload,
+        "remembered_bytes": view.remembered or None,
     }
 
 
@@ -168,13 +171,22 @@ def build_status(ctx: Context) -> dict[str, Any]:
                 else [_waiter_json(g, w, now, allowance) for w in g.waiters],
                 "tenants": _with_shares(
                     [
-                        tenant_json(tenants.get(t.tenant), t, resolved.get(t.tenant), now)
+                        tenant_json(
+                            tenants.get(t.tenant),
+                            t,
+                            resolved.get(t.tenant),
+                            now,
+                            ctx.workloads.workload(t.tenant),
+                        )
                         for t in view.tenants
                         if gid in t.gpus
                     ]
                 ),
                 "handover_seconds": engine.handovers.get(gid, Histogram()).as_json(),
                 "swap": swap_json(next((w for w in swaps.values() if gid in w.gpus), None), now),
+                "swaps": [swap_json(w, now) for w in swaps.values() if gid in w.gpus],
+                "free_bytes": g.free_bytes if g else None,
+                "handover_waits_for": g.handover_waits_for if g else None,
                 "swap_mode": policy.swap.value if policy else None,
                 "memory_resident_bytes": g.memory_in_use_bytes if g else 0,
             }
@@ -215,19 +227,29 @@ def _with_shares(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _waiter_json(gpu: GpuView, waiter: WaiterView, now: float, allowance: float) -> dict[str, Any]:
     """A waiter with its estimated turn and the bound on its wait.
 
-    ``eta_s``: everyone ahead uses a full TQ and every hand-over before its turn
-    takes the allowance (holders that go idle yield earlier; multi-GPU waiters may
-    wait for other GPUs too). ``wait_bound_s``: (waiters ahead + 1) x TQ plus one
-    allowance, counted from when it started waiting.
+    ``eta_s``: the holder uses the rest of its quantum and everyone ahead a full
+    one of their own (TQ x weight), and every hand-over before its turn takes the
+    allowance (holders that go idle yield earlier; multi-GPU waiters may wait for
+    other GPUs too). ``wait_bound_s``, counted from when it started waiting: the
+    holder's quantum and the quanta ahead, plus one allowance, plus one TQ per
+    hand-over where memory swaps (a holder keeps the GPU up to one more TQ while
+    the next one's memory comes back). Behind a higher priority class the only
+    bound is ``scheduler.max_wait`` (then it goes first): ``None`` without one.
     """
     remaining = max(0.0, gpu.preempt_at - now) if gpu.preempt_at is not None else 0.0
-    tq = gpu.policy.tq_s
+    policy = gpu.policy
+    holder_q = gpu.holder_quantum_s or 0.0
+    handover = policy.tq_s if policy.swap is not SwapMode.NONE else 0.0
+    bound: float | None = holder_q + waiter.ahead_s + allowance + waiter.position * handover
+    if waiter.outranked:
+        wait = policy.max_wait_s
+        bound = None if wait is None else wait + holder_q + allowance + handover
     return {
         "tenant": waiter.tenant,
         "waiting_s": round(now - waiter.since, 3),
         "position": waiter.position,
-        "eta_s": round(remaining + (waiter.position - 1) * tq + waiter.position * allowance, 3),
-        "wait_bound_s": round(waiter.position * tq + allowance, 3),
+        "eta_s": round(remaining + waiter.ahead_s + waiter.position * allowance, 3),
+        "wait_bound_s": None if bound is None else round(bound, 3),
     }
 
 

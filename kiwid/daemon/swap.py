@@ -4,8 +4,9 @@
   tenant: ``cuCheckpointProcessCheckpoint`` needs the process LOCKED, so it
   works with the CUDA-lock gate only (a frozen process cannot be checkpointed).
   Restore leaves the process locked; the gate's ungate unlocks it.
-* ``SimSwapper`` moves the simulated GPU's bookkeeping and takes the time the
-  configured rates say (the sim's model of the cost), on the worker thread.
+* ``SimSwapper`` moves the simulated GPU's bookkeeping and takes the time its
+  link model says (:mod:`kiwid.adapters.sim.link`: each direction at its own
+  rate, shared by the swaps going that way), on the worker thread.
 
 Both leave the tenant as it was when they fail: a failed swap-out restores what
 it had already checkpointed, so the memory is on the card and the tenant gated.
@@ -14,13 +15,12 @@ it had already checkpointed, so the memory is on the card and the tenant gated.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
 from kiwid.adapters.sim import SimBackend, SimOutOfMemory, swap_in_persisted
+from kiwid.adapters.sim.link import Link
 from kiwid.daemon.state import GatedRecord
 
 log = logging.getLogger("kiwid.swap")
@@ -98,36 +98,31 @@ def restore_checkpointed(lock: CudaLock, record: GatedRecord) -> None:
 
 
 class SimSwapper:
-    """The simulated GPU's swap: bookkeeping plus the time the rates say."""
+    """The simulated GPU's swap: bookkeeping plus the time its link model says.
+
+    Each GPU's link carries ``out_bytes_per_s`` towards host RAM and
+    ``in_bytes_per_s`` back at the same time; swaps in one direction share it.
+    """
 
     method = "sim"
 
-    def __init__(
-        self,
-        backend: SimBackend,
-        out_bytes_per_s: float,
-        in_bytes_per_s: float,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        """Swap on ``backend`` at the given rates (bytes per second)."""
+    def __init__(self, backend: SimBackend, out_bytes_per_s: float, in_bytes_per_s: float) -> None:
+        """Swap on ``backend`` at the given rates (bytes per second, per direction)."""
         self._backend = backend
-        self._out_rate = out_bytes_per_s
-        self._in_rate = in_bytes_per_s
-        self._sleep = sleep
+        self._link = Link({"out": out_bytes_per_s, "in": in_bytes_per_s})
 
     def swap_out(self, record: GatedRecord) -> None:
-        """Take the tenant's memory off the simulated GPU, in bytes / rate seconds."""
-        moving = self._backend.resident_of(record.pids)
-        self._sleep(moving / self._out_rate)
+        """Take the tenant's memory off the simulated GPU, once the link has carried it."""
+        self._link.transfer(self._backend.resident_of(record.pids), "out")
         self._backend.swap_out(record.pids)
 
     def swap_in(self, record: GatedRecord) -> None:
-        """Bring it back if it fits, in bytes / rate seconds."""
+        """Bring it back if it fits, once the link has carried it."""
         try:
             self._backend.check_swap_in(record.pids)
         except SimOutOfMemory as err:
             raise SwapError(str(err)) from err
-        self._sleep(self._backend.swapped_of(record.pids) / self._in_rate)
+        self._link.transfer(self._backend.swapped_of(record.pids), "in")
         try:
             self._backend.swap_in(record.pids)
         except SimOutOfMemory as err:  # the card filled up meanwhile

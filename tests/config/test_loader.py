@@ -49,6 +49,8 @@ KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
     ("memory", "reserve_mib"): ("memory", "reserve_mib", "0", 0),
     ("memory", "swap"): ("memory", "swap", '"checkpoint"', "checkpoint"),
     ("memory", "host_floor_mib"): ("memory", "host_floor_mib", "0", 0),
+    ("memory", "checkpoint_lanes"): ("memory", "checkpoint_lanes", "2", 2),
+    ("memory", "newcomer"): ("memory", "newcomer", '"free"', "free"),
     ("metrics", "listen"): ("metrics", "listen", '"127.0.0.1:9417"', "127.0.0.1:9417"),
     ("kubernetes", "resource"): ("kubernetes", "resource", '"example.com/gpu"', "example.com/gpu"),
     ("kubernetes", "replicas"): ("kubernetes", "replicas", "8", 8),
@@ -179,6 +181,7 @@ def test_unknown_keys() -> None:
 SECS = "must be a number of seconds > 0"
 POLL = "must be a number of seconds from 0.05 to 60"
 DEVICES = "must be an integer number of devices from 1 to 64"
+LANES = "must be an integer number of concurrent checkpoints from 1 to 8"
 MIB = "must be an integer number of MiB >= 0"
 SOCKET = "must be an absolute path of at most 107 bytes"
 
@@ -204,6 +207,10 @@ SOCKET = "must be an absolute path of at most 107 bytes"
         ("gpu.sim.swap_out_gbps = 0", "must be a number of GB/s > 0"),
         ('memory.swap = "always"', 'must be one of "none", "checkpoint", "auto"'),
         ("memory.host_floor_mib = -1", "must be an integer number of MiB >= 0"),
+        ("memory.checkpoint_lanes = 0", LANES),
+        ("memory.checkpoint_lanes = 9", LANES),
+        ("memory.checkpoint_lanes = 1.5", f"{LANES}, not a float"),
+        ('memory.newcomer = "all"', 'must be one of "whole-card", "free"'),
         ('control.socket = "kiwid.sock"', SOCKET),
         ('control.admin_group = ""', "must be a group name"),
         ('daemon.state_dir = "run/kiwi"', "must be an absolute path of at most 4095 bytes"),

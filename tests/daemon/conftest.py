@@ -203,8 +203,19 @@ def tenants() -> Iterator[Callable[..., Tenant]]:
     parent = f"kiwi-test-{uuid.uuid4().hex[:8]}"
     made: list[Tenant] = []
 
-    def spawn(name: str, busy: bool = True, v2: bool = True) -> Tenant:
-        """A tenant; with ``v2=False`` it stays in our cgroup2 and has only a v1 freezer one."""
+    def spawn(
+        name: str,
+        busy: bool = True,
+        v2: bool = True,
+        *,
+        workload: str | None = None,
+        maps: Path | None = None,
+    ) -> Tenant:
+        """A tenant; with ``v2=False`` it stays in our cgroup2 and has only a v1 freezer one.
+
+        Its command line is the same for every tenant of one ``workload`` (default:
+        its name), as a job's is when it runs again; ``maps``: a file it maps.
+        """
         in_v2 = v2
         v2 = V2_ROOT / parent / name
         v2.mkdir(parents=True)
@@ -216,8 +227,22 @@ def tenants() -> Iterator[Callable[..., Tenant]]:
         go_r, go_w = os.pipe()
         ready_r, ready_w = os.pipe()
         work = "while True: pass" if busy else "import time\ntime.sleep(3600)"
-        code = f"import os\nos.read({go_r}, 1)\nos.write({ready_w}, b'r')\n{work}"
-        proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(go_r, ready_w))
+        mapping = (
+            "import mmap, sys\nf = open(os.environ['KIWI_TEST_MAP'], 'r+b')\n"
+            "m = mmap.mmap(f.fileno(), 0)\n"
+            if maps is not None
+            else ""
+        )
+        code = (
+            "import os\nos.read(int(os.environ['KIWI_TEST_GO']), 1)\n"
+            f"{mapping}os.write(int(os.environ['KIWI_TEST_READY']), b'r')\n{work}"
+        )
+        env = {**os.environ, "KIWI_TEST_GO": str(go_r), "KIWI_TEST_READY": str(ready_w)}
+        if maps is not None:
+            env["KIWI_TEST_MAP"] = str(maps)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, workload or name], pass_fds=(go_r, ready_w), env=env
+        )
         os.close(go_r)
         os.close(ready_w)
         if in_v2:

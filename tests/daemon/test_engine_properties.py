@@ -9,6 +9,8 @@ job out, with swaps failing as hypothesis says, and checks every step:
 * a tenant's jobs never run two at once, and its memory moves only while gated;
 * a tenant is let go only with its memory on the card (never from host RAM);
 * an ungate never starts before a gate asked for earlier on a GPU it shares;
+* a tenant the driver cannot checkpoint (told, or a refused checkpoint) is never
+  swapped out again;
 * on a gating GPU, at most one bursting tenant runs once the jobs are done;
 * nothing stays gated that the scheduler does not want gated, once quiet.
 """
@@ -24,16 +26,27 @@ from kiwid.core.clock import FakeClock
 from kiwid.core.events import (
     ActivitySeen,
     Event,
+    FootprintRemembered,
     FootprintSeen,
     GateFailed,
     GpusConfigured,
+    MemoryFreeSeen,
     SwapFinished,
     TenantAttached,
     TenantDetached,
     TenantPolicySet,
+    TenantUnswappable,
     Tick,
 )
-from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantPolicy, TenantState, TenantSwap
+from kiwid.core.model import (
+    GpuPolicy,
+    Mode,
+    Newcomer,
+    SwapMode,
+    TenantPolicy,
+    TenantState,
+    TenantSwap,
+)
 from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler
 from kiwid.daemon.effects import Effects
@@ -57,6 +70,8 @@ class World:
     gated: set[str] = field(default_factory=set)
     out: set[str] = field(default_factory=set)
     running: list[Job] = field(default_factory=list)
+    pinned: dict[str, int] = field(default_factory=dict)
+    """Tenants that may never be swapped out, with the first job seq asked after."""
 
 
 class InlineRunner:
@@ -70,7 +85,7 @@ class InlineRunner:
 
 
 class Harness:
-    def __init__(self, policies: dict[str, GpuPolicy], fates: list[bool], lanes: Lanes) -> None:
+    def __init__(self, policies: dict[str, GpuPolicy], fates: list[str], lanes: Lanes) -> None:
         self.clock = FakeClock()
         self.tracker = TenantTracker(lambda pid: None, alive=lambda pid: True)
         # Effects are not used: the world model below carries the jobs out.
@@ -81,6 +96,15 @@ class Harness:
         self.world = World()
         self.fates = fates
         self.swaps = 0
+        self.next_seq = 0
+        submit = self.engine.executor.job
+
+        def job(*args: object, **kwargs: object) -> Job:
+            made = submit(*args, **kwargs)  # type: ignore[arg-type]
+            self.next_seq = made.seq + 1
+            return made
+
+        self.engine.executor.job = job  # type: ignore[method-assign]
         self.engine.apply([GpusConfigured(policies)])
 
     # ---- events in ------------------------------------------------------------
@@ -97,10 +121,17 @@ class Harness:
             if gone is None:
                 return
             self.tracker.gone[event.tenant] = gone
-        elif isinstance(event, FootprintSeen | ActivitySeen | TenantPolicySet):
+            self.world.pinned.pop(event.tenant, None)
+        elif isinstance(
+            event, FootprintSeen | ActivitySeen | TenantPolicySet | FootprintRemembered
+        ):
             info = self.tracker.tenants.get(event.tenant)
             if info is None or (isinstance(event, FootprintSeen) and event.gpu not in info.gpus):
                 return
+        elif isinstance(event, TenantUnswappable):
+            if event.tenant not in self.tracker.tenants:
+                return
+            self.world.pinned.setdefault(event.tenant, self.next_seq)
 
         self.engine.apply([event])
 
@@ -120,6 +151,8 @@ class Harness:
             for earlier in unfinished:
                 if earlier.kind is Kind.GATE and earlier.seq < job.seq and earlier.gpus & job.gpus:
                     raise AssertionError(f"{job} started before the earlier {earlier}")
+        if job.kind is Kind.SWAP_OUT and job.tenant in world.pinned:
+            assert job.seq < world.pinned[job.tenant], f"{job.tenant} swapped out though pinned"
         world.running.append(job)
 
     def carry_out_end(self, job: Job) -> list[Event]:
@@ -143,11 +176,20 @@ class Harness:
             return [SwapFinished(t, direction, ok=False, reason="gone")]
         assert t in world.gated, f"{job.kind.value} of {t}, which runs"
         assert (t in world.out) == (direction == "in"), f"{job.kind.value} of {t} twice"
-        ok = self.fates[self.swaps % len(self.fates)]
+        fate = self.fates[self.swaps % len(self.fates)]
         self.swaps += 1
-        if ok:
+        if fate == "ok":
             (world.out.add if direction == "out" else world.out.discard)(t)
-        return [SwapFinished(t, direction, ok, GiB if ok else 0, 0.5, "" if ok else "fate")]
+            return [SwapFinished(t, direction, True, GiB, 0.5)]
+        if fate == "refused" and direction == "out":  # the driver cannot checkpoint it
+            world.pinned.setdefault(t, self.next_seq)
+            return [SwapFinished(t, "out", False, reason="NCCL", unswappable=True)]
+        if fate == "refused":  # the shell's fresh reading: too little free memory
+            return [
+                *(MemoryFreeSeen(g, 0) for g in sorted(job.gpus)),
+                SwapFinished(t, "in", False, reason="free memory", deferred=True),
+            ]
+        return [SwapFinished(t, direction, False, reason="fate")]
 
     def drain(self, picks: list[int]) -> None:
         """Finish every job in flight, in the drawn order (new ones join as they come)."""
@@ -196,6 +238,7 @@ policies = st.builds(
     capacity_bytes=st.just(40 * GiB),
     reserve_bytes=st.just(GiB),
     swap=st.sampled_from([SwapMode.CHECKPOINT, SwapMode.AUTO, SwapMode.NONE]),
+    newcomer=st.sampled_from(list(Newcomer)),
 )
 tenants = st.sampled_from(TENANTS)
 gpu_sets = st.frozensets(st.sampled_from(GPUS), min_size=1, max_size=2)
@@ -209,6 +252,9 @@ events = st.one_of(
     ),
     st.builds(GpusConfigured, st.fixed_dictionaries(dict.fromkeys(GPUS, policies))),
     st.builds(GateFailed, tenants, st.just("the freezer timed out")),
+    st.builds(MemoryFreeSeen, st.sampled_from(GPUS), st.integers(0, 40).map(lambda g: g * GiB)),
+    st.builds(FootprintRemembered, tenants, st.integers(0, 30).map(lambda g: g * GiB)),
+    st.builds(TenantUnswappable, tenants, st.just("it uses NCCL across processes")),
     st.builds(
         TenantPolicySet,
         tenants,
@@ -227,7 +273,7 @@ script_steps = st.one_of(
     st.tuples(events, picks, st.just(frozenset())),
     st.tuples(st.floats(0.05, 12.0), picks, st.frozensets(tenants, min_size=1)),
 )
-lanes = st.builds(Lanes, out=st.integers(1, 2), in_=st.integers(1, 2), shared=st.booleans())
+lanes = st.builds(Lanes, out=st.integers(1, 3), in_=st.integers(1, 2), shared=st.booleans())
 
 
 @settings(max_examples=250, deadline=None)
@@ -235,7 +281,7 @@ lanes = st.builds(Lanes, out=st.integers(1, 2), in_=st.integers(1, 2), shared=st
     st.fixed_dictionaries(dict.fromkeys(GPUS, policies)),
     st.lists(st.builds(TenantAttached, tenants, gpu_sets), min_size=2, max_size=5),
     st.lists(script_steps, min_size=5, max_size=60),
-    st.lists(st.booleans(), min_size=1, max_size=6),
+    st.lists(st.sampled_from(["ok", "ok", "ok", "failed", "refused"]), min_size=1, max_size=6),
     lanes,
 )
 def test_the_engine_keeps_order_and_memory_safe_whatever_finishes_first(

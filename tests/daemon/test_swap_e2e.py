@@ -29,6 +29,7 @@ def swap_config(d: Path, **kw: Any) -> str:
         "in_": 32,
         "floor": 0,
         "devices": 1,
+        "newcomer": "whole-card",
         **kw,
     }
     return f"""\
@@ -47,6 +48,7 @@ swap_in_gbps = {v["in_"]}
 swap = "{v["swap"]}"
 reserve_mib = 1024
 host_floor_mib = {v["floor"]}
+newcomer = "{v["newcomer"]}"
 [control]
 socket = "{d / "kiwid.sock"}"
 [daemon]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kiwid.adapters.control import request
+from kiwid.cli.lookup import AmbiguousTenant, TenantNotFound, collect_tenants, find_tenant
 from kiwid.cli.policy_text import policy_sentence, preemption_sentence, rank_label
 from kiwid.cli.words import format_bytes, format_duration, plural, tenant_label
 
@@ -35,107 +36,11 @@ __all__ = [
 ]
 
 Json = dict[str, Any]
-_MIN_PREFIX = 4  # characters of a container id (or pod UID) that select it
 _TENANT_KEYS = (
     *("id", "name", "kind", "container_id", "pod", "namespace", "state", "pids"),
     *("policy", "quantum_s", "share", "boosted", "last_preemption", "waiting_for"),
+    *("swap_refusal", "workload", "remembered_bytes"),
 )
-
-
-class TenantNotFound(LookupError):
-    """No tenant matches the query."""
-
-
-class AmbiguousTenant(LookupError):
-    """Several tenants match the query.
-
-    Attributes:
-        candidates: The matching tenants, as `collect_tenants` returns them.
-    """
-
-    def __init__(self, query: str, candidates: list[Json]) -> None:
-        super().__init__(f"{query!r} matches {len(candidates)} tenants")
-        self.candidates = candidates
-
-
-def collect_tenants(status: Mapping[str, Any]) -> list[Json]:
-    """Every tenant in ``status``, once, with its ledger per GPU.
-
-    Args:
-        status: The ``status`` result.
-
-    Returns:
-        Live tenants in order of appearance, then departed ones (``departed``
-        true, ``gone_for_s`` set). Each has ``gpus`` and ``ledgers`` (GPU → ledger).
-    """
-    found: dict[str, Json] = {}
-    for gpu in status.get("gpus") or []:
-        for t in gpu.get("tenants") or []:
-            entry = found.setdefault(
-                str(t["id"]), {**t, "gpus": list(t.get("gpus") or []), "ledgers": {}}
-            )
-            if t.get("ledger") is not None:
-                entry["ledgers"][str(gpu["id"])] = t["ledger"]
-            if str(gpu["id"]) not in entry["gpus"]:
-                entry["gpus"].append(str(gpu["id"]))
-    for d in status.get("departed") or []:
-        if str(d["id"]) not in found:
-            ledger = d.get("ledger")
-            ledgers = {str(g): ledger for g in d.get("gpus") or []} if ledger else {}
-            found[str(d["id"])] = {**d, "state": "gone", "departed": True, "ledgers": ledgers}
-    return list(found.values())
-
-
-def _matches(t: Mapping[str, Any], query: str) -> int | None:
-    """How well ``t`` matches: 0 its id, 1 another exact field, 2 a prefix; else None."""
-    if str(t.get("id")) == query:
-        return 0
-    pod, ns = t.get("pod"), t.get("namespace")
-    exact = {t.get("name"), t.get("container_id"), pod, f"{ns}/{pod}" if ns and pod else None}
-    pid = query.isdigit() and (int(query) in (t.get("pids") or []) or t.get("id") == f"pid:{query}")
-    if query in exact or pid:
-        return 1
-    if len(query) >= _MIN_PREFIX:
-        prefixed = [t.get("container_id"), pod]
-        _, colon, rest = query.partition(":")
-        if colon and len(rest) >= _MIN_PREFIX:
-            prefixed.append(t.get("id"))
-        if any(isinstance(v, str) and v.startswith(query) for v in prefixed):
-            return 2
-    return None
-
-
-def find_tenant(status: Mapping[str, Any], query: str) -> Json:
-    """Find one tenant by id, container id (or a prefix of 4+), name, pod or PID.
-
-    The best kind of match wins (the id, then an exact field or PID, then a
-    prefix); live tenants beat departed ones.
-
-    Args:
-        status: The ``status`` result.
-        query: What the user typed.
-
-    Returns:
-        The tenant, as `collect_tenants` gives it.
-
-    Raises:
-        TenantNotFound: Nothing matches.
-        AmbiguousTenant: Several tenants match equally well.
-    """
-    query = query.strip()
-    tiers: dict[int, list[Json]] = {}
-    for t in collect_tenants(status):
-        rank = _matches(t, query)
-        if rank is not None:
-            tiers.setdefault(rank, []).append(t)
-    if not tiers:
-        raise TenantNotFound(query)
-    best = tiers[min(tiers)]
-    live = [t for t in best if not t.get("departed")]
-    best = live or best
-    if len(best) > 1:
-        raise AmbiguousTenant(query, best)
-    return best[0]
 
 
 def _eta_for_newcomer(gpu: Mapping[str, Any]) -> float:
@@ -191,6 +96,7 @@ def _gpu_facts(t: Mapping[str, Any], gpu: Mapping[str, Any]) -> Json:
         "eta_s": None,
         "eta_estimated": False,
         "ledger": t["ledgers"].get(gid),
+        "handover_waits_for": gpu.get("handover_waits_for"),
     }
     # Who holds it and who is ahead, with their priority (``priority 2 tenant X``).
     on_gpu = {str(o.get("id")): o for o in gpu.get("tenants") or []}
@@ -277,9 +183,22 @@ def _holding(who: str, f: Json) -> str:
     since = format_duration((f["holder"] or {}).get("since_s"))
     text = f"{who} HOLDS GPU {f['gpu']} (for {since} now)"
     left = (f["holder"] or {}).get("remaining_s")
-    if not f["waiting"] or left is None:
-        release = format_duration(f["idle_release"])
+    release = format_duration(f["idle_release"])
+    if not f["waiting"]:
         return f"{text}; nobody waits, so it keeps it until it has no GPU work for {release}."
+    if f.get("handover_waits_for"):
+        return (
+            f"{text}; its quantum is over, but it keeps the GPU while the memory of "
+            f"{f['handover_waits_for']}, next in line, comes back from host RAM (at most one "
+            "more TQ): the GPU works instead of waiting for a restore."
+        )
+    if left is None:
+        n = len(f["waiting"])
+        return (
+            f"{text}; {plural(n, 'tenant')} of a lower priority {'waits' if n == 1 else 'wait'} "
+            f"({_ids(f['waiting'])}), so it keeps it until it has no GPU work for {release} "
+            "(unless scheduler.max_wait lets one of them go first)."
+        )
     n = len(f["waiting"])
     return (
         f"{text}; {plural(n, 'tenant')} {'waits' if n == 1 else 'wait'} "
@@ -381,8 +300,16 @@ def explain_text(facts: Json) -> str:
             parts.append(f"It gets GPUs {gpus} together or none of them.")
         if t.get("gate_failure"):
             parts.append(f"kiwid could not gate it ({t['gate_failure']}), so it runs un-gated.")
-        if t.get("waiting_for") and state == "waiting":
+        if t.get("waiting_for") and state in ("waiting", "holder"):
             parts.append(f"It is not let go yet: {t['waiting_for']}.")
+        if t.get("swap_refusal"):
+            parts.append(f"Its memory stays on the card: {t['swap_refusal']}.")
+        if t.get("remembered_bytes"):
+            gib = t["remembered_bytes"] / 2**30
+            parts.append(
+                f"Its workload ran here before ({t.get('workload')}): it is sized from that "
+                f"run's {gib:.1f} GiB, not given the whole card as a newcomer."
+            )
         tq = facts["gpus"][0]["tq"] if facts["gpus"] else None
         parts += [p for p in (policy_sentence(t, tq), preemption_sentence(t)) if p]
     ledger = ledger_text(facts.get("ledger"), facts.get("uptime_s"))

@@ -267,3 +267,36 @@ def test_kiwictl_explain_exit_codes_and_messages(kiwictl: Run) -> None:
 
 def test_kiwictl_explain_without_a_daemon_exits_3(tmp_path) -> None:
     assert main(["--socket", str(tmp_path / "none.sock"), "explain", "1"]) == 3
+
+
+def test_memory_moves_are_told_in_words() -> None:
+    status = copy.deepcopy(STATUS)
+    gpu = status["gpus"][0]
+    gpu["handover_waits_for"] = "pid:777"
+    gpu["holder"]["remaining_s"] = 0.0
+    text = explain("docker:ab12cd34ef56", status)
+    assert (
+        "its quantum is over, but it keeps the GPU while the memory of pid:777, next in "
+        "line, comes back from host RAM (at most one more TQ)"
+    ) in text
+    gpu["handover_waits_for"] = None
+    gpu["holder"]["remaining_s"] = None  # the waiters are of a lower priority
+    text = explain("docker:ab12cd34ef56", status)
+    assert "2 tenants of a lower priority wait (pid:777, podman:3f2a1b4c5d6e)" in text
+    assert "nobody waits" not in text
+    tenants = gpu["tenants"]
+    tenants[0].update(state="holder", waiting_for="waiting for free memory on GPU 0: 3.0 GiB")
+    assert "It is not let go yet: waiting for free memory on GPU 0: 3.0 GiB." in explain(
+        "docker:ab12cd34ef56", status
+    )
+    tenants[1].update(
+        swap_refusal="it uses NCCL between processes",
+        workload="exe /usr/bin/python3 train.py",
+        remembered_bytes=47 * 2**30,
+    )
+    text = explain("777", status)
+    assert "Its memory stays on the card: it uses NCCL between processes." in text
+    assert (
+        "Its workload ran here before (exe /usr/bin/python3 train.py): it is sized from "
+        "that run's 47.0 GiB, not given the whole card as a newcomer."
+    ) in text

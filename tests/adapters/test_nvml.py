@@ -493,3 +493,15 @@ def test_a_sample_count_that_keeps_growing_is_a_backend_error(
     with pytest.raises(GpuBackendError, match="failed: Insufficient Size"):
         gpus.active_pids(0, 0.5)
     assert machine.calls(UTILIZATION) == 2 * (1 + nvml._UTILIZATION_RETRIES)
+
+
+def test_free_memory_is_the_drivers_reading(machine: Machine, gpus: NvmlBackend) -> None:
+    machine.gpu["memory"] = {"total": 150754820096, "used": 100 * 2**30}
+    machine.save()
+    assert gpus.free_memory(0) == 150754820096 - 100 * 2**30
+    machine.gpu["errors"] = {"nvmlDeviceGetMemoryInfo": "GPU_IS_LOST"}
+    machine.save()
+    with pytest.raises(GpuLost):
+        gpus.free_memory(0)
+    with pytest.raises(GpuBackendError):
+        gpus.free_memory(7)

@@ -35,6 +35,7 @@ def load_script() -> ModuleType:
 
 
 timeline = load_script()
+drawing = importlib.import_module("timeline_svg")  # its drawing half, found beside it
 
 
 def at(t: float, **tenants: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +111,7 @@ def test_the_drawing_is_an_svg_that_shows_the_samples() -> None:
 
 
 def test_spans_merge_samples_and_a_tenant_that_left_has_none() -> None:
-    spans = timeline.spans(SAMPLES, "a")
+    spans = drawing.spans(SAMPLES, "a")
     assert [(s.start, s.end, s.kind) for s in spans] == [
         (0.0, 2.0, "holds"),
         (2.0, 5.0, "waits"),
@@ -118,14 +119,14 @@ def test_spans_merge_samples_and_a_tenant_that_left_has_none() -> None:
         (6.0, 7.0, "waits"),
     ]
     # c waits, holds, waits for a's boost, and is gone from 6 s on.
-    assert [(s.start, s.end, s.kind) for s in timeline.spans(SAMPLES, "c")] == [
+    assert [(s.start, s.end, s.kind) for s in drawing.spans(SAMPLES, "c")] == [
         (3.0, 3.5, "waits"),
         (3.5, 5.0, "holds"),
         (5.0, 6.0, "waits"),
     ]
-    assert timeline.spans(SAMPLES, "nobody") == []
-    assert timeline.preemptions(SAMPLES, "b") == [(3.5, "c")]
-    assert timeline.preemptions(SAMPLES, "a") == []
+    assert drawing.spans(SAMPLES, "nobody") == []
+    assert drawing.preemptions(SAMPLES, "b") == [(3.5, "c")]
+    assert drawing.preemptions(SAMPLES, "a") == []
 
 
 def test_a_timeline_needs_two_samples() -> None:

@@ -17,8 +17,10 @@ Memory: each GPU has ``memory_bytes``; a process's footprint can be *swapped
 out* (:meth:`SimBackend.swap_out`), after which it is missing from
 :meth:`SimBackend.processes`, as a checkpointed process is missing from NVML's
 list, and :meth:`SimBackend.swap_in` brings it back only if it fits beside the
-resident processes (else :class:`SimOutOfMemory`, as the driver's restore
-fails). The time a swap takes is the caller's to simulate.
+resident processes and the memory no process shows (:meth:`SimBackend.set_foreign`;
+else :class:`SimOutOfMemory`, as the driver's restore fails).
+:meth:`SimBackend.free_memory` is what NVML's free memory would say. The time a
+swap takes is the caller's to simulate (:mod:`kiwid.adapters.sim.link`).
 """
 
 from __future__ import annotations

@@ -93,31 +93,11 @@ def parse_proc_cgroup(text: str) -> ProcCgroups:
     return ProcCgroups(v2=v2, v1_freezer=freezer, v1=v1)
 
 
-def _read(pid: int | str, name: str) -> str:
+def _read(pid: int | str, name: str, whole: int = 0) -> str:
     """Read ``/proc/<pid>/<name>`` (os.open/os.read: cheaper than pathlib here).
 
-    Raises:
-        ProcessGone: the process does not exist (any more).
-        AccessDenied: the file cannot be read for another reason.
-    """
-    try:
-        fd = os.open(f"{PROC}/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
-    except (FileNotFoundError, ProcessLookupError) as err:
-        raise ProcessGone(f"process {pid} is gone") from err
-    except OSError as err:
-        raise AccessDenied(f"cannot read {PROC}/{pid}/{name}: {err.strerror}") from err
-    try:
-        return os.read(fd, 65536).decode("utf-8", "surrogateescape")
-    except OSError as err:
-        if err.errno == errno.ESRCH:
-            raise ProcessGone(f"process {pid} is gone") from err
-        raise AccessDenied(f"cannot read {PROC}/{pid}/{name}: {err.strerror}") from err
-    finally:
-        os.close(fd)
-
-
-def _read_all(pid: int | str, name: str, max_bytes: int) -> str:
-    """Read all of ``/proc/<pid>/<name>`` (up to ``max_bytes``): maps run long.
+    One read of up to 64 KiB, enough for every small file; ``whole``: read on to
+    the end, up to that many bytes (``maps`` runs long and comes a page at a time).
 
     Raises:
         ProcessGone: the process does not exist (any more).
@@ -130,11 +110,12 @@ def _read_all(pid: int | str, name: str, max_bytes: int) -> str:
     except OSError as err:
         raise AccessDenied(f"cannot read {PROC}/{pid}/{name}: {err.strerror}") from err
     chunks: list[bytes] = []
-    size = 0
     try:
-        while size < max_bytes and (chunk := os.read(fd, 1 << 20)):
-            chunks.append(chunk)
-            size += len(chunk)
+        chunks.append(os.read(fd, 65536))
+        size = len(chunks[0])
+        while whole and size < whole and chunks[-1]:
+            chunks.append(os.read(fd, 1 << 20))
+            size += len(chunks[-1])
     except OSError as err:
         if err.errno == errno.ESRCH:
             raise ProcessGone(f"process {pid} is gone") from err
@@ -236,7 +217,7 @@ def command_line(pid: int) -> tuple[str, ...] | None:
     ``None``: gone, unreadable, or a kernel thread (which has none).
     """
     try:
-        text = _read_all(pid, "cmdline", 1 << 20)
+        text = _read(pid, "cmdline", whole=1 << 20)
     except ProcError:
         return None
     args = tuple(text.split("\0"))
@@ -262,7 +243,7 @@ def mapped_files(pid: int) -> frozenset[str] | None:
     Pseudo-mappings such as ``[heap]`` are left out. ``None``: gone or unreadable.
     """
     try:
-        text = _read_all(pid, "maps", 64 << 20)
+        text = _read(pid, "maps", whole=64 << 20)
     except ProcError:
         return None
     return parse_maps(text)

@@ -66,3 +66,33 @@ def _check_live(child: subprocess.Popen[bytes], code: str, mapped: Path) -> None
 
 def test_a_kernel_thread_has_no_command_line() -> None:
     assert proc.command_line(2) is None  # kthreadd
+
+
+def test_maps_longer_than_one_read_are_read_whole(tmp_path: Path) -> None:
+    # ~1200 mappings of ~110 bytes each: well over the 64 KiB of a single read.
+    names = [tmp_path / f"mapped-{i:04d}-{'x' * 40}" for i in range(1200)]
+    for path in names:
+        path.write_bytes(b"\0" * mmap.PAGESIZE)
+    code = (  # a mapping outlives its file's descriptor: no 1200 open files
+        "import mmap, sys\n"
+        "ms = []\n"
+        "for p in sys.argv[1:]:\n"
+        "    with open(p, 'r+b') as f:\n"
+        "        ms.append(mmap.mmap(f.fileno(), 0))\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, names)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    ) as child:
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline() == b"ready\n"
+            assert len(Path(f"/proc/{child.pid}/maps").read_bytes()) > 65536
+            files = proc.mapped_files(child.pid)
+            assert files is not None and {str(p) for p in names} <= files
+        finally:
+            child.kill()
+            child.wait()

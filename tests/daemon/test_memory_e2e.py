@@ -36,6 +36,15 @@ def turns(k: Kiwid, seconds: float) -> list[str]:
     return seen
 
 
+def holder_and_idle(k: Kiwid, tenants) -> tuple:
+    """A busy tenant that holds the GPU and an idle one on the card, 3 GiB each."""
+    h, idle = tenants("holder"), tenants("idle", busy=False)
+    k.attach(h.pid, memory=3 * GiB)
+    wait_for(lambda: holder(k) == h.key, 5, "h to hold the GPU")
+    k.attach(idle.pid, memory=3 * GiB, activity="idle")
+    return h, idle
+
+
 def test_a_restore_waits_for_free_memory_and_goes_once_there_is(
     start_kiwid, tenants, workdir
 ) -> None:
@@ -85,10 +94,7 @@ def test_a_recurring_job_is_sized_from_its_last_run_after_a_restart(
     # A new kiwid: another tenant holds, an idle one sits on the card, and the job
     # comes back, small so far (its ballast not allocated yet).
     k = start_kiwid()
-    h, idle = tenants("holder"), tenants("idle", busy=False)
-    k.attach(h.pid, memory=3 * GiB)
-    wait_for(lambda: holder(k) == h.key, 5, "h to hold the GPU")
-    k.attach(idle.pid, memory=3 * GiB, activity="idle")
+    h, idle = holder_and_idle(k, tenants)
     again = tenants("job-2", workload="nightly-job")
     k.attach(again.pid, memory=GiB)
     status = wait_for(
@@ -107,10 +113,7 @@ def test_a_recurring_job_is_sized_from_its_last_run_after_a_restart(
 def test_a_newcomer_gets_the_whole_card(start_kiwid, tenants, workdir) -> None:
     """The contrast to the test above: the same arrival, nothing remembered."""
     k = start(start_kiwid, workdir, tq=2, swap="auto")
-    h, idle = tenants("holder"), tenants("idle", busy=False)
-    k.attach(h.pid, memory=3 * GiB)
-    wait_for(lambda: holder(k) == h.key, 5, "h to hold the GPU")
-    k.attach(idle.pid, memory=3 * GiB, activity="idle")
+    h, idle = holder_and_idle(k, tenants)
     job = tenants("job", workload="never-seen")
     k.attach(job.pid, memory=GiB)
     wait_for(lambda: holder(k) == job.key and not job.frozen(), 10, "the job's first turn")

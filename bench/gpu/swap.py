@@ -46,7 +46,7 @@ from enforcement import (
 from swap_analysis import Analysis
 from swap_dry import dry_run
 from swap_host import GIB, GpuMemory, config_text, host_available, host_total, machine_line
-from swap_report import report
+from swap_report import report, summary
 from swap_run import LEAD_S, OVERHEAD_GIB, Run
 
 H200_GIB, H200_BALLAST_GIB = 140.4, 47.5  # the card and the by-hand reference's tenants
@@ -299,6 +299,11 @@ def _finish(
         dump["failed_swaps"] = [asdict(e) for e in analysis.failed_swaps]
         dump["tenants"] = [asdict(t) for t in analysis.tenants]
         dump["notes"] = analysis.notes
+        dump["summary"] = summary(analysis)
+        dump["first_turns"] = [asdict(f) for f in analysis.first_turns]
+        dump["steady"] = asdict(analysis.steady)
+        if analysis.losses is not None:
+            dump["losses"] = asdict(analysis.losses)
     with contextlib.suppress(OSError, TypeError, ValueError):
         (outdir / "results.json").write_text(json.dumps(dump, indent=1, default=str))
     log(f"results: {outdir}; total {time.monotonic() - enf.T0:.0f} s")

@@ -6,6 +6,7 @@ tenant's progress points into its stalls and running stretches.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
@@ -101,20 +102,38 @@ class WorkerLog:
     alloc: tuple[float, float, int, int] | None = None  # t0, t1, bytes, OOM retries
     ooms: int = 0
     errors: list[str] = field(default_factory=list)
+    # a trainer's (train_worker.py): what it trains, and every step's loss
+    model: str | None = None  # e.g. "torch-transformer layers=4 ... cycle=200"
+    losses: list[tuple[int, float, str]] = field(default_factory=list)  # step, t, float.hex
+
+    @property
+    def cycle(self) -> int | None:
+        """Steps after which the trainer starts again from its initial state (its model line)."""
+        for word in (self.model or "").split():
+            if word.startswith("cycle="):
+                with contextlib.suppress(ValueError):
+                    return int(word.split("=", 1)[1])
+        return None
 
 
 def parse_worker_log(text: str) -> WorkerLog:
+    """A tenant's log (see swap_worker.py and train_worker.py for the lines)."""
     out = WorkerLog()
     for line in text.splitlines():
         parts = line.split()
         try:
             if parts[0] == "p" and len(parts) == 3:
                 out.points.append((float(parts[1]), int(parts[2])))
+            elif parts[0] == "loss" and len(parts) == 5 and parts[4] == ";":
+                float.fromhex(parts[3])  # a loss line ends in ';': one cut short is dropped
+                out.losses.append((int(parts[1]), float(parts[2]), parts[3]))
             elif parts[0] == "verify" and len(parts) == 6:
                 t0, t1 = float(parts[1]), float(parts[2])
                 out.verifies.append((t0, t1, int(parts[3]), int(parts[4]), parts[5] == "1"))
             elif parts[0] == "alloc" and len(parts) == 5:
                 out.alloc = (float(parts[1]), float(parts[2]), int(parts[3]), int(parts[4]))
+            elif parts[0] == "model" and len(parts) > 1:
+                out.model = " ".join(parts[1:])
             elif parts[0] == "oom":
                 out.ooms += 1
             elif parts[0] == "error":

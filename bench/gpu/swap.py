@@ -44,78 +44,16 @@ from enforcement import (
     log,
 )
 from swap_analysis import Analysis
+from swap_args import H200_GIB, parse, plan_lines
 from swap_dry import dry_run
 from swap_host import GIB, GpuMemory, config_text, host_available, host_total, machine_line
 from swap_report import report, summary
-from swap_run import LEAD_S, OVERHEAD_GIB, Run
-
-H200_GIB, H200_BALLAST_GIB = 140.4, 47.5  # the card and the by-hand reference's tenants
-
-
-# --------------------------------------------------------------------- main
-
-
-def plan_lines(args: argparse.Namespace) -> list[str]:
-    total = args.tenants * (args.gib + args.overhead_gib)
-    need = args.gib + args.overhead_gib + args.margin_gib
-    est = 30 + args.budget + 0.5 * args.settle + 30
-    return [
-        f"{args.tenants} tenants x {args.gib:g} GiB ballast (~{total:.0f} GiB with contexts), "
-        f"kiwid TQ {args.tq:g} s, swap = checkpoint, gate = "
-        + ("the sim's" if args.rehearse else "cuda-lock"),
-        f"rotation {args.budget:g} s, settle <= {args.settle:g} s, hard cap {args.max_total:g} s "
-        f"in all; expected ~{est:.0f} s",
-        f"tenant i+1 allocates once NVML shows {need:g} GiB "
-        f"free and kiwid is not swapping in nor handing over within {LEAD_S:g} s (once "
-        f"{args.force_after:g} s have passed, room is enough)",
-    ]
+from swap_run import Run
+from swap_state import StateDirError, prepare
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument(
-        "--gib", type=float, default=None, help="ballast per tenant, GiB (47.5; rehearse 4.75)"
-    )
-    parser.add_argument("--tenants", type=int, default=3, help="how many tenants")
-    parser.add_argument("--tq", type=float, default=None, help="kiwid's TQ, s (30; rehearse 5)")
-    parser.add_argument(
-        "--budget", type=float, default=None, help="rotation seconds (330; rehearse 45)"
-    )
-    parser.add_argument("--settle", type=float, default=45.0, help="wait for a swap in flight")
-    parser.add_argument("--max-total", type=float, default=470.0, help="hard cap on the run, s")
-    parser.add_argument("--margin-gib", type=float, default=4.0, help="free memory margin")
-    parser.add_argument(
-        "--force-after", type=float, default=120.0, help="release the next tenant anyway after"
-    )
-    parser.add_argument("--host-floor-mib", type=int, default=4096, help="kiwid's host RAM floor")
-    parser.add_argument(
-        "--sim-gbps",
-        default="2.2,5.5",
-        help="rehearsal: the simulated GPU's swap-out,swap-in rates in GB/s (the H200's "
-        "driver: 2.2,5.5); default %(default)s",
-    )
-    parser.add_argument("--out", type=Path, help="output folder (default $OUT/kiwi-swap)")
-    parser.add_argument("--deps", type=Path, default=enf.DEPS_DIR, help="kiwid's dependencies")
-    parser.add_argument("--dry-run", action="store_true", help="no CUDA: checks and the plan")
-    parser.add_argument(
-        "--rehearse", action="store_true", help="no CUDA: the whole run on kiwid's simulated GPU"
-    )
-    args = parser.parse_args()
-    args.tq = args.tq if args.tq is not None else (5.0 if args.rehearse else 30.0)
-    args.gib = args.gib if args.gib is not None else (4.75 if args.rehearse else H200_BALLAST_GIB)
-    # A rehearsal is a model of the H200 run at gib / 47.5 scale: the simulated card, the
-    # tenants' overhead and the margin shrink with it (kiwid's host floor checks real RAM).
-    args.scale = args.gib / H200_BALLAST_GIB if args.rehearse else 1.0
-    args.overhead_gib = OVERHEAD_GIB * args.scale
-    args.margin_gib *= args.scale
-    args.budget = args.budget if args.budget is not None else (45.0 if args.rehearse else 330.0)
-    if args.tenants < 1 or args.gib <= 0:
-        parser.error("--tenants >= 1 and --gib > 0")
-    try:
-        out_gbps, in_gbps = (float(x) for x in args.sim_gbps.split(","))
-    except ValueError:
-        parser.error("--sim-gbps OUT,IN, e.g. 2.2,5.5")
-    args.sim_gbps = (out_gbps, in_gbps)
+    args = parse()
     if args.deps.is_dir():
         enf.EXTRA_PATHS.append(str(args.deps))
         sys.path.insert(0, str(args.deps))
@@ -142,7 +80,8 @@ def main() -> int:
     )
     if not enf.preflight(args, layout):
         return 2
-    swapped = (args.tenants - 1) * (args.gib + args.overhead_gib) * GIB
+    sizes = sorted([args.gib] * args.tenants + ([args.torch_gib] if args.torch_tenant else []))
+    swapped = sum(sizes[:-1]) * GIB + (len(sizes) - 1) * args.overhead_gib * GIB
     if not args.dry_run and avail is not None and avail < swapped + args.host_floor_mib * 2**20:
         log(
             f"WARNING: {avail / GIB:.0f} GiB of host RAM available, the swapped tenants need "
@@ -156,7 +95,10 @@ def main() -> int:
     interrupted = False
     try:
         if os.geteuid() == 0:
-            clean_start(layout)
+            clean_start(layout, args.state_dir)
+            if not args.dry_run:
+                for line in prepare(args.state_dir, keep=args.keep_state, bench_root=WORK):
+                    log(line)
         if args.dry_run:
             errors, warnings = dry_run(run, layout)
             log(
@@ -165,6 +107,9 @@ def main() -> int:
             )
             return 1 if errors else 0
         _real(run, args, machine)
+    except StateDirError as exc:
+        log(f"ERROR: {exc}")
+        return 2
     except KeyboardInterrupt:
         log("interrupted; cleaning up")
         interrupted = True
@@ -224,10 +169,14 @@ def _real(run: Run, args: argparse.Namespace, machine: list[str]) -> None:
                 host_floor_mib=args.host_floor_mib,
                 sim_gib=round(H200_GIB * args.scale, 2),
                 sim_gbps=args.sim_gbps,
+                state_dir=args.state_dir,
+                checkpoint_lanes=args.checkpoint_lanes,
+                newcomer=args.newcomer,
             )
         )
         run.spawn()  # torch imports overlap the config check
         checked_config(config)
+        run.reference(120)  # the trainer alone, before any tenant starts CUDA
         run.init_workers(120)
         machine += run.ready_lines
         run.start_kiwid(config)
@@ -255,6 +204,15 @@ def _finish(
             text = report(analysis, machine)
         else:
             text = "\n== no rotation took place\n" + "\n".join(machine)
+        if run.identities:
+            text += "\ntenants as kiwid knows them (executable and arguments):\n" + "\n".join(
+                f"  {lb} ({'known' if run.known.get(lb) else 'newcomer'}): {ident}"
+                for lb, ident in run.identities.items()
+            )
+        if run.state_removed:
+            text += (
+                f"\nWARNING: kiwid or kiwid recover removed {run.state_removed} from the state dir"
+            )
         if run.errors:
             text += "\nerrors:\n" + "\n".join("  " + e for e in run.errors)
         polls = run.status_polls
@@ -288,6 +246,12 @@ def _finish(
         "status_polls": run.status_polls,
         "nvml_errors": run.memory.errors[:20],
         "kiwid_log": str(run.kiwid_log) if run.kiwid_log else None,
+        "state_dir": str(args.state_dir),
+        "state_before": run.state_before,
+        "state_removed": run.state_removed,
+        "identities": run.identities,
+        "known": run.known,
+        "reference_log": str(run.reference_log) if run.reference_log else None,
     }
     if analysis is not None:
         dump["integrity"] = analysis.integrity

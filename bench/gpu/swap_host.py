@@ -25,7 +25,15 @@ def config_text(
     host_floor_mib: int = 4096,
     sim_gib: float = 140.0,
     sim_gbps: tuple[float, float] = (25.0, 50.0),
+    state_dir: Path = STATE,
+    checkpoint_lanes: int | None = None,
+    newcomer: str | None = None,
 ) -> str:
+    """kiwid's config; ``checkpoint_lanes`` and ``newcomer`` are written only when given.
+
+    (``memory.checkpoint_lanes``, ``memory.newcomer``: issue 13's keys; a kiwid without
+    them rejects the config at ``check-config``.)
+    """
     gate_line = f'gate = "{gate}"\n' if gate else ""
     sim = (
         f"[gpu.sim]\ndevices = 1\nmemory_gib = {sim_gib:g}\n"
@@ -37,8 +45,10 @@ def config_text(
         f"[scheduler]\ntq = {tq:g}\nidle_release = 5\n"
         f'[gpu]\nbackend = "{backend}"\npoll_interval = 0.5\n{gate_line}{sim}'
         f'[memory]\nswap = "{swap}"\nreserve_mib = 1024\nhost_floor_mib = {host_floor_mib}\n'
-        f'[control]\nsocket = "{SOCK}"\n'
-        f'[daemon]\nstate_dir = "{STATE}"\n'
+        + (f"checkpoint_lanes = {checkpoint_lanes}\n" if checkpoint_lanes is not None else "")
+        + (f'newcomer = "{newcomer}"\n' if newcomer is not None else "")
+        + f'[control]\nsocket = "{SOCK}"\n'
+        f'[daemon]\nstate_dir = "{state_dir}"\n'
         '[kubernetes]\ncdi_dir = ""\n'
     )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import subprocess
 import time
 from collections.abc import Mapping
@@ -26,13 +27,14 @@ from enforcement import (
     stale_cgroups,
 )
 from swap_analysis import Analysis, analyse
+from swap_args import LEAD_S
 from swap_host import GIB, HERE, GpuMemory, host_available
 from swap_logs import GAP_S, parse_kiwid, read_worker_log, who_is
+from swap_state import identity, listing, read_ledger, record
 
 SWAP_WORKER = HERE / "swap_worker.py"
-OVERHEAD_GIB = 1.5  # per tenant beyond the ballast: CUDA context, operands, check buffers
-LEAD_S = 2.0  # release a tenant only this long before a hand-over is due, at the latest
-CLEANUP_RESERVE_S = 60.0  # kept free at the end of --max-total for the clean-up
+TRAIN_WORKER = HERE / "train_worker.py"
+CUBLAS_WORKSPACE = ":4096:8"  # deterministic cuBLAS (the trainer's loss curve to the bit)
 
 # --------------------------------------------------------------------- the run
 
@@ -62,6 +64,13 @@ class Run:
         self.gate_line: str | None = None
         self.errors: list[str] = []
         self.seen_lines = 0
+        self.state_dir: Path = args.state_dir
+        self.gib_of: dict[str, float] = {}  # tenant -> its ballast, GiB
+        self.identities: dict[str, str] = {}  # tenant -> exe and arguments (kiwid's key)
+        self.known: dict[str, bool] = {}  # tenant -> an earlier run with this state_dir ran it
+        self.reference_log: Path | None = None
+        self.state_before: list[str] = []  # the state_dir's files before kiwid started
+        self.state_removed: list[str] = []
 
     @property
     def names(self) -> dict[str, str]:
@@ -69,24 +78,87 @@ class Run:
 
     # set-up -------------------------------------------------------------
     def spawn(self) -> None:
+        """The tenants: ``--tenants`` ballast ones, then the trainer (``--torch-tenant``).
+
+        Their command lines are the same in every run (what changes goes by environment):
+        kiwid knows a bare process's workload by its executable and arguments.
+        """
         a = self.args
         seconds = a.budget + 300.0  # a safety cap: the bench kills them long before
-        for i in range(a.tenants):
+        kinds = [(SWAP_WORKER, f"w{i}", a.gib, {}) for i in range(a.tenants)]
+        if a.torch_tenant:
+            cublas = {"CUBLAS_WORKSPACE_CONFIG": CUBLAS_WORKSPACE}
+            kinds.append((TRAIN_WORKER, f"t{a.tenants}", a.torch_gib, cublas))
+        for i, (script, label, gib, env) in enumerate(kinds):
             with contextlib.suppress(FileNotFoundError):  # an earlier run's
                 (self.outdir / f"progress-{i}.txt").unlink()
-            extra = ["--gib", f"{a.gib:g}", "--seed", str(i), "--alloc-timeout", "120"]
-            self.workers.append(
-                Worker(
-                    i,
-                    self.layout,
-                    self.outdir,
-                    seconds,
-                    dry_run=self.sim,
-                    script=SWAP_WORKER,
-                    gap_s=GAP_S,
-                    extra_args=extra,
-                )
+            extra = ["--gib", f"{gib:g}", "--seed", str(i), "--alloc-timeout", "120"]
+            w = Worker(
+                i,
+                self.layout,
+                self.outdir,
+                seconds,
+                dry_run=self.sim,
+                script=script,
+                gap_s=GAP_S,
+                extra_args=extra,
+                stable_argv=True,
+                env_extra=env,
+                label=label,
             )
+            self.workers.append(w)
+            self.gib_of[label] = gib
+        ledger = read_ledger(self.state_dir)
+        for w in self.workers:
+            ident = identity(w.pid)
+            self.identities[w.label] = ident or "?"
+            self.known[w.label] = ident is not None and ident in ledger
+        if a.keep_state:
+            known = [lb for lb, k in self.known.items() if k] or ["none"]
+            log(f"  known workloads (an earlier run with {self.state_dir}): {', '.join(known)}")
+
+    def reference(self, timeout_s: float) -> None:
+        """The trainer alone, ungated, before kiwid starts: one cycle's losses.
+
+        The same command line as the trainer tenant; ``KIWI_BENCH_REFERENCE=1`` says
+        which. Runs while the other tenants only import torch (no CUDA yet).
+        """
+        trainer = next((w for w in self.workers if w.label.startswith("t")), None)
+        if trainer is None:
+            return
+        self.reference_log = self.outdir / "reference-losses.txt"
+        env = dict(
+            os.environ,
+            KIWI_BENCH_REFERENCE="1",
+            KIWI_BENCH_OUT=str(self.reference_log),
+            KIWI_BENCH_PARENT=str(os.getpid()),
+            CUBLAS_WORKSPACE_CONFIG=CUBLAS_WORKSPACE,
+            CUDA_DEVICE_ORDER="PCI_BUS_ID",
+            PYTHONUNBUFFERED="1",
+        )
+        t = time.monotonic()
+        try:
+            done = subprocess.run(
+                trainer.argv,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+                start_new_session=True,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise BenchError(f"the unswapped reference training took over {timeout_s:g} s") from exc
+        if done.returncode != 0:
+            raise BenchError(
+                f"the unswapped reference training failed ({done.returncode}): "
+                f"{(done.stdout + done.stderr).strip()[-400:]}"
+            )
+        ref = read_worker_log(self.reference_log)
+        log(
+            f"  reference training (unswapped, before kiwid): {len(ref.losses)} steps in "
+            f"{time.monotonic() - t:.1f} s ({done.stdout.strip()}); model {ref.model}"
+        )
 
     def init_workers(self, timeout_s: float) -> None:
         """Each worker: into its cgroup (done by Worker), then CUDA set-up, before kiwid."""
@@ -102,6 +174,7 @@ class Run:
 
     def start_kiwid(self, config: Path) -> None:
         self.kiwid_log = self.outdir / "kiwid.log"
+        self.state_before = listing(self.state_dir)
         self.kiwid = Kiwid(config, self.kiwid_log)
         ready = self.kiwid.wait_ready(60)
         log(f"  kiwid: {ready}")
@@ -125,13 +198,13 @@ class Run:
     def rotate(self) -> None:
         a = self.args
         assert self.kiwid is not None
-        need = int((a.gib + a.overhead_gib + a.margin_gib) * GIB)
         self.t_rot0 = t0 = time.monotonic()
-        hard_end = enf.T0 + a.max_total - CLEANUP_RESERVE_S
+        hard_end = enf.T0 + a.max_total - a.cleanup_reserve
         rot_end = min(t0 + a.budget, hard_end - a.settle)
         log(
             f"rotation: {a.budget:g} s budget (until +{rot_end - enf.T0:.0f} s), then up to "
-            f"{a.settle:g} s for a swap in flight to end; release needs {need / GIB:.1f} GiB free"
+            f"{a.settle:g} s for a swap in flight to end; a tenant's release needs its "
+            f"footprint plus {a.margin_gib:.2g} GiB free"
         )
         pending = list(self.workers)
         last_release = t0
@@ -155,6 +228,7 @@ class Run:
                 next_sample = now + 0.5
                 used, free = self.memory.used_free()
                 self.samples.append((now, used, free, host_available()))
+                need = self._need(pending[0]) if pending else 0
                 free_ok_since = (free_ok_since or now) if free >= need else None
             if now >= next_status:
                 next_status = now + 2.0
@@ -197,9 +271,14 @@ class Run:
             time.sleep(0.25)
         self.t_end = time.monotonic()
 
+    def _need(self, w: Worker) -> int:
+        """Free GPU memory before ``w`` may allocate: its footprint plus the margin."""
+        a = self.args
+        return int((self.gib_of[w.label] + a.overhead_gib + a.margin_gib) * GIB)
+
     def _release(self, w: Worker) -> None:
         if self.sim and w.label in self.memory.resident:  # its footprint grows as it allocates
-            self._sim_attach(w, int((self.args.gib + self.args.overhead_gib) * GIB))
+            self._sim_attach(w, int((self.gib_of[w.label] + self.args.overhead_gib) * GIB))
         elif self.sim:  # swapped out while idle: attaching again would bring it back in the sim
             log(f"  (rehearsal: {w.label} is swapped out; its simulated footprint stays small)")
         try:
@@ -209,7 +288,7 @@ class Run:
         self.released[w.label] = time.monotonic()
         used, free = self.memory.used_free()
         log(
-            f"  released {w.label} to allocate {self.args.gib:g} GiB "
+            f"  released {w.label} to allocate {self.gib_of[w.label]:g} GiB "
             f"(GPU: {used / GIB:.1f} GiB used, {free / GIB:.1f} GiB free)"
         )
 
@@ -301,7 +380,7 @@ class Run:
                 log(f"warning: killing {w.label} failed: {exc}")
             if w.proc.poll() is None:
                 log(f"warning: {w.label} (pid {w.pid}) did not exit within 30 s of SIGKILL")
-        for step in (self._stop_kiwid, _recover, self._remove_cgroups):
+        for step in (self._stop_kiwid, self._recover, self._remove_cgroups, self._note_state):
             try:
                 step()
             except Exception as exc:
@@ -311,6 +390,35 @@ class Run:
                 self.memory.nvml.nvmlShutdown()
         took = time.monotonic() - t
         log(f"cleaned up in {took:.1f} s: workers killed, kiwid stopped, recover ran")
+
+    def _recover(self) -> None:
+        try:
+            kiwid_recover(self.state_dir)
+        except subprocess.TimeoutExpired:
+            log("warning: kiwid recover took over 60 s")
+
+    def _note_state(self) -> None:
+        """After kiwid and ``kiwid recover``: were the state_dir's other files left alone?
+
+        Then add the tenants that allocated (kiwid saw their footprint) to the bench's list.
+        """
+        if self.args.dry_run or not self.workers:
+            return
+        kiwid_owns = {"state.json", "kiwid.lock", "sim.json"}
+        gone = [n for n in self.state_before if n not in listing(self.state_dir)]
+        if [n for n in gone if n not in kiwid_owns]:
+            self.state_removed = gone
+            log(f"WARNING: kiwid or kiwid recover removed {gone} from {self.state_dir}")
+        seen = [
+            (self.identities[w.label], int(self.gib_of[w.label] * GIB))
+            for w in self.workers
+            if w.label in self.allocated and self.identities.get(w.label, "?") != "?"
+        ]
+        record(self.state_dir, seen)
+        log(
+            f"state dir {self.state_dir}: {', '.join(listing(self.state_dir))} "
+            f"({len(seen)} workload(s) noted for a later --keep-state run)"
+        )
 
     def _stop_kiwid(self) -> None:
         if self.kiwid is None:
@@ -335,7 +443,8 @@ class Run:
         events = parse_kiwid(self.kiwid_lines, self.names)
         lo = self.t_rot0 if self.t_rot0 is not None else time.monotonic()
         hi = self.t_end if self.t_end is not None else time.monotonic()
-        result = analyse(logs, events, lo, hi)
+        reference = read_worker_log(self.reference_log) if self.reference_log else None
+        result = analyse(logs, events, lo, hi, known=self.known, reference=reference)
         if self.forced:
             result.notes.append(f"released before kiwid was calm: {', '.join(self.forced)}")
         never = [w.label for w in self.workers if w.label not in self.released]
@@ -346,13 +455,6 @@ class Run:
                 f"free GPU memory seen: {most:.1f} GiB)"
             )
         return result
-
-
-def _recover() -> None:
-    try:
-        kiwid_recover()
-    except subprocess.TimeoutExpired:
-        log("warning: kiwid recover took over 60 s")
 
 
 def _gpu0(status: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -334,7 +334,7 @@ def analyse(
     known = known or {}
     events = sorted(events, key=lambda e: e.t)
     swaps = [e for e in events if e.kind in ("swap-out", "swap-in")]
-    grants = [e for e in events if e.kind == "grant"]
+    grants = [e for e in events if e.kind == "grant" and e.t <= hi]  # none after the window
     stalls = {label: stalls_of(w.points, hi) for label, w in logs.items()}
     used: set[int] = set()
     rows = _handovers(logs, grants, swaps, stalls, lo, used)

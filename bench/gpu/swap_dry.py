@@ -20,6 +20,7 @@ from enforcement import (
 from swap_analysis import analyse
 from swap_host import config_text
 from swap_logs import KEvent, WorkerLog, parse_kiwid, read_worker_log, stalls_of
+from swap_losses import compare_losses
 from swap_report import report
 from swap_run import Run
 
@@ -131,19 +132,43 @@ def dry_run(run: Run, layout: Layout) -> tuple[int, int]:
     if os.geteuid() != 0:
         log("  warning: not root: worker and kiwid checks skipped (the real run needs root)")
         return errors, warnings + 1
+    run.args.tenants, run.args.torch_tenant = 2, True  # w0, w1 and the trainer t2
     run.spawn()
     for w in run.workers:
         check(f"{w.label} (pid {w.pid}) in {w.cgroup.name} before release", w.cgroup.holds(w.pid))
+        ident = run.identities[w.label]
+        run_specific = [str(run.outdir), f" {os.getpid()} ", "--out", "--go-fd", "--seconds"]
+        check(
+            f"{w.label}'s command line is the same in every run",
+            not any(x in f"{ident} " for x in run_specific),
+            ident,
+        )
+    run.reference(60)
+    assert run.reference_log is not None
+    ref = read_worker_log(run.reference_log)
+    check("the trainer's unswapped reference", len(ref.losses) == ref.cycle, f"{ref.model}")
     run.init_workers(60)
-    w0, w1 = run.workers[0], run.workers[1]
-    for w in (w0, w1):
+    w0, w1, t2 = run.workers
+    for w in (w0, w1, t2):
         w.send(b"a")
     t_go = time.monotonic()
-    time.sleep(1.0)
-    w1.cgroup.freeze()  # as kiwid's gate would
+    time.sleep(1.5)
+    for w in (w1, t2):
+        w.cgroup.freeze()  # as kiwid's gate would
     time.sleep(1.6)
-    w1.cgroup.thaw()
+    t_in = time.monotonic()
+    for w in (w1, t2):
+        w.cgroup.thaw()
     time.sleep(1.0)
+    tl = read_worker_log(t2.progress)
+    losses = compare_losses(
+        "t2", tl, ref, [KEvent(t_in, "swap-in", "t2")], stalls_of(tl.points, time.monotonic())
+    )
+    check(
+        "a frozen trainer: its loss curve goes on, equal to the reference's",
+        losses.ok and losses.mid_cycle_stalls == 1,
+        losses.verdict,
+    )
     for w in (w0, w1):
         lines = w.poll_lines()
         check(
@@ -174,6 +199,19 @@ def dry_run(run: Run, layout: Layout) -> tuple[int, int]:
         path.write_text(config_text(run.args.tq, backend=backend, gate=gate))
         rc, text = check_config(path)
         check(f"kiwid check-config ({backend})", rc == 0, text.splitlines()[-1] if text else "")
+    path = WORK / "kiwid-swap-lanes.toml"
+    path.write_text(
+        config_text(run.args.tq, backend="sim", gate=None, checkpoint_lanes=2, newcomer="free")
+    )
+    rc, text = check_config(path)
+    if rc == 0:
+        log("  ok   this kiwid accepts memory.checkpoint_lanes and memory.newcomer")
+    else:
+        warnings += 1
+        log(
+            "  warning: this kiwid rejects memory.checkpoint_lanes / memory.newcomer (it "
+            f"predates issue 13): --checkpoint-lanes and --newcomer would stop a run: {text}"
+        )
     kiwid = run.kiwid = Kiwid(WORK / "kiwid-swap-sim.toml", run.outdir / "kiwid-dry-run.log")
     try:
         check("kiwid starts (sim backend)", True, kiwid.wait_ready(30))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +108,43 @@ class GpuMemory:
         if self.nvml is None:
             return len(self.resident)
         return len(self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle))
+
+
+# --------------------------------------------------------------------- kiwid's status
+
+
+def gpu0(status: Mapping[str, Any]) -> Mapping[str, Any]:
+    gpus = status.get("gpus") if isinstance(status, Mapping) else None
+    return gpus[0] if gpus else {}
+
+
+def holder_of(status: Mapping[str, Any]) -> str | None:
+    holder = gpu0(status).get("holder") or {}
+    return holder.get("tenant")
+
+
+def swap_of(status: Mapping[str, Any]) -> str | None:
+    swap = gpu0(status).get("swap")
+    if not swap:
+        return None
+    if isinstance(swap, Mapping):
+        done, total = swap.get("done_bytes") or 0, swap.get("bytes") or 0
+        return (
+            f"{swap.get('direction')} {swap.get('tenant')} {done / GIB:.1f}/{total / GIB:.1f} GiB"
+        )
+    return str(swap)
+
+
+def calm(status: Mapping[str, Any], lead_s: float) -> bool:
+    """No swap-in in flight, no hand-over due within lead_s (no status: don't block on it).
+
+    A swap-in takes GPU memory that NVML may not show yet; a swap-out only frees it.
+    """
+    gpu = gpu0(status)
+    if not gpu:
+        return True
+    swap = gpu.get("swap")
+    if swap and (not isinstance(swap, Mapping) or swap.get("direction") != "out"):
+        return False
+    remaining = (gpu.get("holder") or {}).get("remaining_s")
+    return remaining is None or remaining >= lead_s

@@ -28,7 +28,7 @@ from enforcement import (
 )
 from swap_analysis import Analysis, analyse
 from swap_args import LEAD_S
-from swap_host import GIB, HERE, GpuMemory, host_available
+from swap_host import GIB, HERE, GpuMemory, calm, holder_of, host_available, swap_of
 from swap_logs import GAP_S, parse_kiwid, read_worker_log, who_is
 from swap_state import identity, listing, read_ledger, record
 
@@ -239,14 +239,14 @@ class Run:
                 prev_done = (
                     prev is None or prev.label in self.allocated or prev.label in self.exited
                 )
-                calm = _calm(status, min(LEAD_S, 0.3 * a.tq))
+                quiet = calm(status, min(LEAD_S, 0.3 * a.tq))
                 room = free_ok_since is not None and now - free_ok_since >= 1.0
                 forced = bool(self.released) and now - last_release > a.force_after and room
-                if (prev_done and room and calm) or not self.released or forced:
-                    if forced and not (prev_done and calm):
+                if (prev_done and room and quiet) or not self.released or forced:
+                    if forced and not (prev_done and quiet):
                         log(
                             f"  WARNING: releasing {w.label} after {a.force_after:g} s although "
-                            f"kiwid is not calm ({calm}) or {prev.label if prev else '-'} has "
+                            f"kiwid is not calm ({quiet}) or {prev.label if prev else '-'} has "
                             f"not allocated ({prev_done})"
                         )
                         self.forced.append(w.label)
@@ -262,7 +262,7 @@ class Run:
                 settle_end = min(now + a.settle, hard_end)
                 log(f"rotation over (+{now - t0:.0f} s); waiting for a swap in flight to end")
             if settling:
-                swap = _swap_of(status)
+                swap = swap_of(status)
                 if swap is None or now >= settle_end:
                     if swap is not None:
                         log(f"  a swap is still in flight ({swap}); stopping anyway")
@@ -355,8 +355,8 @@ class Run:
                 parts.append(f"{w.label} {n} it ({state})")
         used, _ = self.memory.used_free()
         avail = host_available()
-        holder = _holder_of(status)
-        swap = _swap_of(status)
+        holder = holder_of(status)
+        swap = swap_of(status)
         log(
             f"  +{now - (self.t_rot0 or now):5.0f} s  holder {who_is(holder or '-', self.names)}; "
             + ", ".join(parts)
@@ -455,40 +455,3 @@ class Run:
                 f"free GPU memory seen: {most:.1f} GiB)"
             )
         return result
-
-
-def _gpu0(status: Mapping[str, Any]) -> Mapping[str, Any]:
-    gpus = status.get("gpus") if isinstance(status, Mapping) else None
-    return gpus[0] if gpus else {}
-
-
-def _holder_of(status: Mapping[str, Any]) -> str | None:
-    holder = _gpu0(status).get("holder") or {}
-    return holder.get("tenant")
-
-
-def _swap_of(status: Mapping[str, Any]) -> str | None:
-    swap = _gpu0(status).get("swap")
-    if not swap:
-        return None
-    if isinstance(swap, Mapping):
-        done, total = swap.get("done_bytes") or 0, swap.get("bytes") or 0
-        return (
-            f"{swap.get('direction')} {swap.get('tenant')} {done / GIB:.1f}/{total / GIB:.1f} GiB"
-        )
-    return str(swap)
-
-
-def _calm(status: Mapping[str, Any], lead_s: float) -> bool:
-    """No swap-in in flight, no hand-over due within lead_s (no status: don't block on it).
-
-    A swap-in takes GPU memory that NVML may not show yet; a swap-out only frees it.
-    """
-    gpu = _gpu0(status)
-    if not gpu:
-        return True
-    swap = gpu.get("swap")
-    if swap and (not isinstance(swap, Mapping) or swap.get("direction") != "out"):
-        return False
-    remaining = (gpu.get("holder") or {}).get("remaining_s")
-    return remaining is None or remaining >= lead_s

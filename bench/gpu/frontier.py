@@ -160,6 +160,8 @@ def summary_rows(
         verdict = _ok(stall <= TARGETS["known_first_turn_s"] and not worst.get("still_waiting"))
     else:
         text, verdict = "no known first turn in run 2", "-"
+    if s2.get("never_held"):
+        text += f" ({', '.join(s2['never_held'])}: no turn in run 2's window)"
     rows.append(("known workload's first turn", "<= 15 s", text, verdict))
     bad = [s.get("bad_bytes") for s in (s1, s2) if s.get("bad_bytes") is not None]
     rows.append(
@@ -170,15 +172,24 @@ def summary_rows(
             _ok(None if not bad else sum(bad) == 0),
         )
     )
-    same = [s.get("loss_identical") for s in (s1, s2) if s.get("loss_identical") is not None]
+    parts, same, differ = [], [], []
+    for k, s in ((1, s1), (2, s2)):
+        if s.get("loss_verdict") is None:
+            continue
+        same.append(bool(s.get("loss_identical")))
+        differ.append(bool(s.get("loss_failed")))
+        what = "DIFFERENT" if s.get("loss_failed") else "identical"
+        parts.append(
+            f"run {k}: {what} over {s.get('loss_steps')} steps, {s.get('loss_swap_ins')} swap-in(s)"
+        )
     fallback = any(s.get("loss_fallback") for s in (s1, s2))
-    verdicts = "; ".join(s.get("loss_verdict") or "" for s in (s1, s2) if s.get("loss_verdict"))
+    verdict = "MISSED" if any(differ) else "ok" if any(same) else "-"
     rows.append(
         (
             "loss curve bit-identical",
-            "yes",
-            (verdicts or "-")[:140] + (" (FALLBACK model)" if fallback else ""),
-            _ok(None if not same else all(same)),
+            "yes, across swaps",
+            "; ".join(parts) + (" (FALLBACK: pure-Python model)" if fallback else "") or "-",
+            verdict,
         )
     )
     solo = (lanes or {}).get("solo_gbps") or {}

@@ -219,10 +219,14 @@ def summary(a: Analysis) -> dict[str, Any]:
             for f in a.first_turns
         ],
         "known_first_turn_s": None if worst is None else round(worst, 2),
+        "never_held": [t.label for t in a.tenants if not t.turns],
         "bad_bytes": a.bad_bytes,
         "integrity": a.integrity,
         "integrity_ok": a.integrity_ok,
-        "loss_identical": None if c is None else c.ok,
+        "loss_identical": None if c is None else c.ok,  # across at least one swap-in
+        "loss_failed": None if c is None else c.failed,  # the curves differ
+        "loss_steps": None if c is None else c.compared,
+        "loss_swap_ins": None if c is None else c.swap_ins,
         "loss_verdict": None if c is None else c.verdict,
         "loss_fallback": None if c is None else c.fallback,
     }

@@ -56,6 +56,9 @@ def run(steady: float | None, p50: float | None, turns: list[dict], bad: int = 0
             "first_turns": turns,
             "bad_bytes": bad,
             "loss_identical": True,
+            "loss_failed": False,
+            "loss_steps": 900,
+            "loss_swap_ins": 2,
             "loss_verdict": "bit-identical over 900 steps",
             "loss_fallback": False,
             "whole_useful": 0.7,
@@ -80,7 +83,11 @@ def test_summary_against_the_targets():
     assert rows["steady hand-over p50"][2:] == ("2.1 s (n=1)", "ok")
     assert rows["known workload's first turn"][2:] == ("11.0 s (t2); w1 0.8, t2 11.0", "ok")
     assert rows["bad bytes (runs 1 and 2)"][2:] == ("0 + 0", "ok")
-    assert rows["loss curve bit-identical"][3] == "ok"
+    assert rows["loss curve bit-identical"][2:] == (
+        "run 1: identical over 900 steps, 2 swap-in(s); run 2: identical over 900 steps, "
+        "2 swap-in(s)",
+        "ok",
+    )
     assert rows["checkpoint lanes"][2].startswith("out x1/x2/x3 2.3/3.6/-")
     assert rows["run 1: first turns"][2] == "w1 newcomer 24.0 s"
     text = frontier.render(list(rows.values()), ["machine: test"])
@@ -90,9 +97,18 @@ def test_summary_against_the_targets():
 def test_summary_says_what_was_missed_or_missing():
     run1 = run(None, None, [], bad=5)
     run2 = run(None, None, [turn("t2", "known", 40.0, "w1", still_waiting=True)])
+    run2["summary"].update(loss_identical=False, loss_swap_ins=0)  # never swapped: not judged
     rows = {r[0]: r for r in frontier.summary_rows(None, run1, run2)}
+    assert rows["loss curve bit-identical"][3] == "ok"  # run 1's stands
+    run1["summary"].update(loss_identical=False, loss_failed=True)
+    rows = {r[0]: r for r in frontier.summary_rows(None, run1, run2)}
+    assert rows["loss curve bit-identical"][2].startswith("run 1: DIFFERENT over 900 steps")
+    assert rows["loss curve bit-identical"][3] == "MISSED"
     assert rows["steady useful GPU time"][2:] == ("t2 never held the GPU", "-")
     assert rows["known workload's first turn"][2:] == ("> 40.0 s (t2); t2 40.0", "MISSED")
+    run2["summary"]["never_held"] = ["w2"]
+    rows = {r[0]: r for r in frontier.summary_rows(None, run1, run2)}
+    assert rows["known workload's first turn"][2].endswith("(w2: no turn in run 2's window)")
     assert rows["bad bytes (runs 1 and 2)"][2:] == ("5 + 0", "MISSED")
     assert rows["checkpoint lanes"][2] == "no figures"
     rows = {r[0]: r for r in frontier.summary_rows(None, None, None)}

@@ -325,11 +325,13 @@ def analyse(
     *,
     known: Mapping[str, bool] | None = None,
     reference: WorkerLog | None = None,
+    reference_2: WorkerLog | None = None,
 ) -> Analysis:
     """Hand-overs, shares and integrity from the tenants' logs and kiwid's lines in [lo, hi].
 
     ``known``: which tenants an earlier run sharing kiwid's state_dir ran. ``reference``:
-    the unswapped run of the trainer (the tenant whose log has a ``model`` line).
+    the unswapped run of the trainer (the tenant whose log has a ``model`` line);
+    ``reference_2``: a second one, which must agree with it for a verdict.
     """
     known = known or {}
     events = sorted(events, key=lambda e: e.t)
@@ -370,9 +372,8 @@ def analyse(
     losses = None
     trainers = [lb for lb, w in logs.items() if w.model is not None]
     if trainers:
-        losses = compare_losses(
-            trainers[0], logs[trainers[0]], reference, swaps, stalls[trainers[0]]
-        )
+        tr = trainers[0]
+        losses = compare_losses(tr, logs[tr], reference, swaps, stalls[tr], reference_2)
     notes = []
     if not grants:
         notes.append("kiwid logged no Grant line: no hand-overs to show")

@@ -145,8 +145,13 @@ def dry_run(run: Run, layout: Layout) -> tuple[int, int]:
         )
     run.reference(60)
     assert run.reference_log is not None
-    ref = read_worker_log(run.reference_log)
-    check("the trainer's unswapped reference", len(ref.losses) == ref.cycle, f"{ref.model}")
+    assert run.reference_log_2 is not None
+    ref, ref_2 = read_worker_log(run.reference_log), read_worker_log(run.reference_log_2)
+    check(
+        "the trainer's two unswapped references agree",
+        len(ref.losses) == ref.cycle and ref.losses[-1][2] == ref_2.losses[-1][2],
+        f"{ref.model}",
+    )
     run.init_workers(60)
     w0, w1, t2 = run.workers
     for w in (w0, w1, t2):
@@ -161,8 +166,9 @@ def dry_run(run: Run, layout: Layout) -> tuple[int, int]:
         w.cgroup.thaw()
     time.sleep(1.0)
     tl = read_worker_log(t2.progress)
+    swapped_in = [KEvent(t_in, "swap-in", "t2")]
     losses = compare_losses(
-        "t2", tl, ref, [KEvent(t_in, "swap-in", "t2")], stalls_of(tl.points, time.monotonic())
+        "t2", tl, ref, swapped_in, stalls_of(tl.points, time.monotonic()), ref_2
     )
     check(
         "a frozen trainer: its loss curve goes on, equal to the reference's",

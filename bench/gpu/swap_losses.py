@@ -46,8 +46,13 @@ def compare_losses(
     reference: WorkerLog | None,
     swaps: Sequence[KEvent],
     stalls: Sequence[tuple[float, float | None]],
+    reference_2: WorkerLog | None = None,
 ) -> LossCheck:
-    """Compare the trainer's losses with the reference's; count the swaps in between."""
+    """Compare the trainer's losses with the reference's; count the swaps in between.
+
+    With ``reference_2`` (a second unswapped run), there is a verdict only if the two
+    agree: otherwise the training is not deterministic on its own here.
+    """
     model = log.model or "?"
     ref = [h for _, _, h in sorted(reference.losses)] if reference is not None else []
     cycle = log.cycle or len(ref)
@@ -89,8 +94,15 @@ def compare_losses(
         ok=False,
         failed=False,
     )
+    ref_2 = [h for _, _, h in sorted(reference_2.losses)] if reference_2 is not None else ref
+    apart = next((k for k, (x, y) in enumerate(zip(ref, ref_2, strict=False)) if x != y), None)
     if reference is None or not ref:
         check.verdict = "no reference run to compare with"
+    elif apart is not None or len(ref_2) != len(ref):
+        check.verdict = (
+            f"no verdict: the two unswapped runs differ (at step {apart}, or in length "
+            f"{len(ref)} vs {len(ref_2)}): the training is not deterministic on its own here"
+        )
     elif cycle != len(ref):
         check.verdict = f"the reference has {len(ref)} steps, the trainer's cycle is {cycle}"
     elif not losses:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import subprocess
 import time
 from collections.abc import Mapping
@@ -30,11 +29,11 @@ from swap_analysis import Analysis, analyse
 from swap_args import LEAD_S
 from swap_host import GIB, HERE, GpuMemory, calm, holder_of, host_available, swap_of
 from swap_logs import GAP_S, parse_kiwid, read_worker_log, who_is
+from swap_reference import CUBLAS_WORKSPACE, run_references
 from swap_state import identity, listing, read_ledger, record
 
 SWAP_WORKER = HERE / "swap_worker.py"
 TRAIN_WORKER = HERE / "train_worker.py"
-CUBLAS_WORKSPACE = ":4096:8"  # deterministic cuBLAS (the trainer's loss curve to the bit)
 
 # --------------------------------------------------------------------- the run
 
@@ -69,6 +68,7 @@ class Run:
         self.identities: dict[str, str] = {}  # tenant -> exe and arguments (kiwid's key)
         self.known: dict[str, bool] = {}  # tenant -> an earlier run with this state_dir ran it
         self.reference_log: Path | None = None
+        self.reference_log_2: Path | None = None
         self.state_before: list[str] = []  # the state_dir's files before kiwid started
         self.state_removed: list[str] = []
 
@@ -118,47 +118,12 @@ class Run:
             log(f"  known workloads (an earlier run with {self.state_dir}): {', '.join(known)}")
 
     def reference(self, timeout_s: float) -> None:
-        """The trainer alone, ungated, before kiwid starts: one cycle's losses.
-
-        The same command line as the trainer tenant; ``KIWI_BENCH_REFERENCE=1`` says
-        which. Runs while the other tenants only import torch (no CUDA yet).
-        """
+        """The trainer's unswapped references (swap_reference.py), before kiwid starts."""
         trainer = next((w for w in self.workers if w.label.startswith("t")), None)
-        if trainer is None:
-            return
-        self.reference_log = self.outdir / "reference-losses.txt"
-        env = dict(
-            os.environ,
-            KIWI_BENCH_REFERENCE="1",
-            KIWI_BENCH_OUT=str(self.reference_log),
-            KIWI_BENCH_PARENT=str(os.getpid()),
-            CUBLAS_WORKSPACE_CONFIG=CUBLAS_WORKSPACE,
-            CUDA_DEVICE_ORDER="PCI_BUS_ID",
-            PYTHONUNBUFFERED="1",
-        )
-        t = time.monotonic()
-        try:
-            done = subprocess.run(
-                trainer.argv,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-                check=False,
-                start_new_session=True,
+        if trainer is not None:
+            self.reference_log, self.reference_log_2 = run_references(
+                trainer.argv, self.outdir, timeout_s
             )
-        except subprocess.TimeoutExpired as exc:
-            raise BenchError(f"the unswapped reference training took over {timeout_s:g} s") from exc
-        if done.returncode != 0:
-            raise BenchError(
-                f"the unswapped reference training failed ({done.returncode}): "
-                f"{(done.stdout + done.stderr).strip()[-400:]}"
-            )
-        ref = read_worker_log(self.reference_log)
-        log(
-            f"  reference training (unswapped, before kiwid): {len(ref.losses)} steps in "
-            f"{time.monotonic() - t:.1f} s ({done.stdout.strip()}); model {ref.model}"
-        )
 
     def init_workers(self, timeout_s: float) -> None:
         """Each worker: into its cgroup (done by Worker), then CUDA set-up, before kiwid."""
@@ -443,8 +408,12 @@ class Run:
         events = parse_kiwid(self.kiwid_lines, self.names)
         lo = self.t_rot0 if self.t_rot0 is not None else time.monotonic()
         hi = self.t_end if self.t_end is not None else time.monotonic()
-        reference = read_worker_log(self.reference_log) if self.reference_log else None
-        result = analyse(logs, events, lo, hi, known=self.known, reference=reference)
+        refs = [
+            read_worker_log(p) if p else None for p in (self.reference_log, self.reference_log_2)
+        ]
+        result = analyse(
+            logs, events, lo, hi, known=self.known, reference=refs[0], reference_2=refs[1]
+        )
         if self.forced:
             result.notes.append(f"released before kiwid was calm: {', '.join(self.forced)}")
         never = [w.label for w in self.workers if w.label not in self.released]

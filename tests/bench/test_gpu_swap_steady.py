@@ -156,6 +156,11 @@ def test_loss_curve_compared_cycle_by_cycle_across_swaps():
     assert not check.ok and not check.failed
     assert "never swapped in" in check.verdict
     assert "no reference" in swap_analysis.compare_losses("t2", run, None, swaps, stalls).verdict
+    other = trainer_log([1.0, 0.5, 0.25 + 2**-30], [0.0, 0.1, 0.2], 3)  # a second unswapped run
+    check = swap_analysis.compare_losses("t2", run, ref, swaps, stalls, other)
+    assert not check.ok and not check.failed
+    assert "the two unswapped runs differ (at step 2" in check.verdict
+    assert swap_analysis.compare_losses("t2", run, ref, swaps, stalls, ref).ok
 
 
 def test_the_fallback_trainer_is_labelled_and_its_curve_joins_the_verdict():

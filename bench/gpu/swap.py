@@ -13,13 +13,21 @@ Each tenant (``swap_worker.py``, in a cgroup of its own) holds a patterned balla
 it checks its whole ballast and its operands. kiwid runs with ``[memory] swap =
 "checkpoint"`` and ``[gpu] gate = "cuda-lock"`` at TQ ``--tq``, so waiting tenants'
 memory goes to host RAM through the driver's checkpoint API. The tenants are let
-allocate one after the other, each only when NVML shows room for it.
+allocate one after the other, each only when NVML shows room for it. With
+``--torch-tenant`` one more tenant is a PyTorch training loop (``train_worker.py``)
+whose loss curve must equal an unswapped run's to the bit; ``--state-dir DIR
+--keep-state`` reuses an earlier run's kiwid state_dir, so that kiwid knows the
+tenants' footprints (their command lines are the same in every run).
 
 Printed at the end, also when something failed half-way: per hand-over, the bytes,
 swap-out and swap-in seconds and GB/s (kiwid's ``Swapped out``/``Swapped in`` lines)
-and the hand-over time on the tenants' own clocks; each tenant's share of useful GPU
-time; the integrity result; the machine. Clean-up on every path: workers SIGKILLed,
-kiwid stopped, ``kiwid recover``, cgroups removed.
+and the hand-over time on the tenants' own clocks; useful GPU time over the whole
+window and over the steady rotation, with the steady hand-overs' p50; each tenant's
+first turn, newcomer or known; the trainer's loss curve; the integrity result; the
+machine. Clean-up on every path: workers SIGKILLed, kiwid stopped, ``kiwid
+recover``, cgroups removed. The modules beside it: swap_args (options), swap_run
+(the run), swap_logs, swap_analysis, swap_losses, swap_report, swap_state,
+swap_reference, swap_host, swap_dry.
 """
 
 from __future__ import annotations

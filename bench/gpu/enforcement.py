@@ -49,7 +49,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,7 +213,11 @@ class Worker:
     """One ``worker.py`` process (or ``script``) in its own cgroup, spawned blocked on a pipe.
 
     ``script`` takes ``--out --seconds --go-fd --parent --gap-ms [--dry-run]`` and
-    ``extra_args``; ``swap.py`` runs ``swap_worker.py`` this way.
+    ``extra_args``; ``swap.py`` runs ``swap_worker.py`` this way. With
+    ``stable_argv`` the first four (they change from run to run) go by environment
+    (``KIWI_BENCH_OUT``, ``_SECONDS``, ``_GO_FD``, ``_PARENT``) instead, so that the
+    command line, by which kiwid knows a bare process from one run to the next, stays
+    the same.
     """
 
     def __init__(
@@ -227,27 +231,37 @@ class Worker:
         script: Path = WORKER,
         gap_s: float = GAP_S,
         extra_args: Sequence[str] = (),
+        stable_argv: bool = False,
+        env_extra: Mapping[str, str] | None = None,
+        label: str | None = None,
     ) -> None:
         self.index = index
-        self.label = f"w{index}"
+        self.label = label or f"w{index}"
         self.cgroup = Cgroup(layout, f"{CG_PREFIX}{index}")
         self.progress = outdir / f"progress-{index}.txt"
         self.errfile = outdir / f"worker-{index}.err"
         self.cgroup.create()
         read_end, self._go = os.pipe()
-        argv = [sys.executable, str(script), "--out", str(self.progress)]
-        argv += [
-            "--seconds",
-            f"{seconds:g}",
-            "--go-fd",
-            str(read_end),
-            "--parent",
-            str(os.getpid()),
-        ]
+        env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", PYTHONUNBUFFERED="1")
+        env.update(env_extra or {})
+        run_specific = {
+            "out": str(self.progress),
+            "seconds": f"{seconds:g}",
+            "go-fd": str(read_end),
+            "parent": str(os.getpid()),
+        }
+        argv = [sys.executable, str(script)]
+        if stable_argv:  # kiwid knows a bare process by its command line: keep it the same
+            env.update(
+                {f"KIWI_BENCH_{k.upper().replace('-', '_')}": v for k, v in run_specific.items()}
+            )
+        else:
+            for key, value in run_specific.items():
+                argv += [f"--{key}", value]
         argv += ["--gap-ms", f"{gap_s * 1e3:g}", *extra_args]
         if dry_run:
             argv.append("--dry-run")
-        env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", PYTHONUNBUFFERED="1")
+        self.argv = argv
         with open(self.errfile, "wb") as err:
             self.proc = subprocess.Popen(
                 argv,
@@ -405,11 +419,12 @@ def check_config(path: Path) -> tuple[int, str]:
     return done.returncode, (done.stdout + done.stderr).strip()
 
 
-def kiwid_recover() -> None:
-    if not STATE.exists():
+def kiwid_recover(state: Path = STATE) -> None:
+    """``kiwid recover --state-dir STATE``: let go of anything a kiwid left gated there."""
+    if not state.exists():
         return
     done = subprocess.run(
-        kiwid_cmd("recover", "--state-dir", str(STATE)),
+        kiwid_cmd("recover", "--state-dir", str(state)),
         env=kiwid_env(),
         cwd=REPO,
         capture_output=True,
@@ -1233,9 +1248,9 @@ def probe_gate(config: Path, logfile: Path) -> str:
     return ""
 
 
-def clean_start(layout: Layout) -> None:
+def clean_start(layout: Layout, state: Path = STATE) -> None:
     """Leftovers of an earlier, interrupted run: kiwid state, socket, cgroups."""
-    kiwid_recover()
+    kiwid_recover(state)
     if SOCK.exists() or SOCK.is_symlink():
         if socket_alive(SOCK):
             raise BenchError(f"another kiwid answers on {SOCK}; stop it first")

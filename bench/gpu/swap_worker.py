@@ -9,8 +9,8 @@ all is seen. The matmul operands are checked too (exact integer sums of their bi
 Its log (``--out``, line-buffered; every time is CLOCK_MONOTONIC):
 
 * ``alloc T0 T1 BYTES OOM_RETRIES``: the ballast was allocated and written.
-* ``p T ITERATIONS``: progress, every ``--every-ms`` and around every stall (the
-  last iteration before it and the first after it).
+* ``p T ITERATIONS``: progress, every ``--every-ms``, at the first iteration, and
+  around every stall (the last iteration before it and the first after it).
 * ``verify T0 T1 BAD_BYTES CHECKED_BYTES OPERANDS_OK``: one check of the whole
   ballast and the operands, after allocation and after every iteration slower
   than ``--gap-ms`` (a stall: the tenant was locked, frozen or swapped out).
@@ -25,7 +25,11 @@ Protocol with the bench (``--go-fd`` is the read end of a pipe):
    ballast (retrying on out-of-memory until ``--alloc-timeout``), prints
    ``allocated BYTES``, and runs matmuls (one sync each) for ``--seconds``.
 
-End of file on the pipe before ``a`` makes it exit; it asks the kernel to SIGKILL
+The bench passes what changes from run to run (``--out``, ``--seconds``,
+``--go-fd``, ``--parent``) as ``KIWI_BENCH_OUT``, ``KIWI_BENCH_SECONDS``,
+``KIWI_BENCH_GO_FD`` and ``KIWI_BENCH_PARENT``, so that a tenant's command line is the
+same in every run: kiwid remembers a bare process's footprint by its executable and
+arguments. End of file on the pipe before ``a`` makes it exit; it asks the kernel to SIGKILL
 it when the bench dies. ``--dry-run`` uses host memory (``--dry-mib``) and 5 ms of
 busy CPU per iteration instead of the GPU, and never imports torch.
 """
@@ -33,6 +37,7 @@ busy CPU per iteration instead of the GPU, and never imports torch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -227,7 +232,7 @@ def run_loop(
             now = time.monotonic()
             log.progress(now, count)
             next_report = now + every_s
-        elif now >= next_report:
+        elif now >= next_report or count == 1:  # the first iteration is pinned too
             log.progress(now, count)
             next_report = now + every_s
         t_prev = now
@@ -236,12 +241,49 @@ def run_loop(
     return count
 
 
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    """What changes from run to run comes by environment, so that argv stays the same.
+
+    kiwid remembers a bare process's footprint by its executable and arguments; a
+    second run of the same tenant must look the same to it (no paths, times, fds).
+    """
+    env = os.environ
+    parser.add_argument(
+        "--out", default=env.get("KIWI_BENCH_OUT"), help="log file ($KIWI_BENCH_OUT)"
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=env.get("KIWI_BENCH_SECONDS"),
+        help="run time after 'a' ($KIWI_BENCH_SECONDS)",
+    )
+    parser.add_argument(
+        "--go-fd",
+        type=int,
+        default=env.get("KIWI_BENCH_GO_FD"),
+        help="read end of the go pipe ($KIWI_BENCH_GO_FD)",
+    )
+    parser.add_argument(
+        "--parent",
+        type=int,
+        default=env.get("KIWI_BENCH_PARENT", 0),
+        help="PID of the bench ($KIWI_BENCH_PARENT)",
+    )
+
+
+def parse_bench_args(parser: argparse.ArgumentParser, *, need_go: bool = True) -> Any:
+    args = parser.parse_args()
+    missing = [k for k in ("out", "seconds", "go_fd") if getattr(args, k) is None]
+    if not need_go:
+        missing = [k for k in missing if k == "out"]
+    if missing:
+        parser.error("missing " + ", ".join(f"--{k.replace('_', '-')}" for k in missing))
+    return args
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--out", required=True, help="log file to write")
-    parser.add_argument("--seconds", type=float, required=True, help="run time after 'a'")
-    parser.add_argument("--go-fd", type=int, required=True, help="read end of the go pipe")
-    parser.add_argument("--parent", type=int, default=0, help="PID of the bench")
+    add_bench_args(parser)
     parser.add_argument("--gap-ms", type=float, default=1000.0, help="an iteration this slow")
     parser.add_argument("--gib", type=float, default=47.5, help="GPU ballast, GiB")
     parser.add_argument("--seed", type=int, default=0, help="pattern seed (one per tenant)")
@@ -253,7 +295,7 @@ def main() -> int:
     parser.add_argument(
         "--device", default="cuda", help="torch device (cpu: tries this code on a CPU torch)"
     )
-    args = parser.parse_args()
+    args = parse_bench_args(parser)
     if args.parent:
         _die_with_parent(args.parent)
 

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 GPU_BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu"
-sys.path.insert(0, str(GPU_BENCH))  # swap.py imports its neighbour enforcement.py
-_spec = importlib.util.spec_from_file_location("kiwi_bench_gpu_swap", GPU_BENCH / "swap.py")
-assert _spec is not None and _spec.loader is not None
-swap = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = swap  # dataclasses look their module up there
-_spec.loader.exec_module(swap)
+sys.path.insert(0, str(GPU_BENCH))  # bench/gpu is no package: its modules import each other
+
+import swap_analysis  # noqa: E402
+import swap_dry  # noqa: E402
+import swap_logs  # noqa: E402
+import swap_report  # noqa: E402
 
 NAMES = {"kiwigpu-bench-1": "w1", "kiwigpu-bench-10": "w10"}
 
@@ -31,7 +30,7 @@ def test_kiwid_lines_name_the_worker_in_either_form():
         (5.0, "[WARNING] Swap out of cgroup:/other (cgroup:/other) not done: host RAM floor: ..."),
         (6.0, "[INFO] New TQ = 20"),
     ]
-    events = swap.parse_kiwid(lines, NAMES)
+    events = swap_logs.parse_kiwid(lines, NAMES)
     assert [(e.kind, e.who) for e in events] == [
         ("swap-out", "w1"),
         ("swap-in", "w10"),
@@ -46,16 +45,16 @@ def test_kiwid_lines_name_the_worker_in_either_form():
 
 def test_worker_log_survives_a_line_cut_by_sigkill():
     text = "alloc 1.0 2.0 100 3\np 2.0 0\nverify 2.0 2.1 0 100 1\np 3.0 10\np 9.0 11\nverify 9.0 9"
-    log = swap.parse_worker_log(text)
+    log = swap_logs.parse_worker_log(text)
     assert log.alloc == (1.0, 2.0, 100, 3)
     assert log.points == [(2.0, 0), (3.0, 10), (9.0, 11)]
     assert log.verifies == [(2.0, 2.1, 0, 100, True)]
-    assert swap.stalls_of(log.points, end=20.0) == [(3.0, 9.0), (9.0, None)]
+    assert swap_logs.stalls_of(log.points, end=20.0) == [(3.0, 9.0), (9.0, None)]
 
 
 def test_analysis_of_a_made_up_rotation():
-    logs, events, lo, hi = swap.synthetic()
-    a = swap.analyse(logs, events, lo, hi)
+    logs, events, lo, hi = swap_dry.synthetic()
+    a = swap_analysis.analyse(logs, events, lo, hi)
     rows = [(h.frm, h.to, h.out_s, h.in_s, h.gap_s) for h in a.handovers]
     assert rows == [
         (None, "w0", None, None, None),
@@ -72,6 +71,6 @@ def test_analysis_of_a_made_up_rotation():
     assert [t.swap_ins_checked for t in a.tenants] == [1, 1, 1]
 
     logs["w2"].verifies[1] = (67.5, 67.6, 0, 10**10, True)  # w2's data came back intact after all
-    a = swap.analyse(logs, events, lo, hi)
+    a = swap_analysis.analyse(logs, events, lo, hi)
     assert a.integrity_ok, a.integrity
-    assert "== integrity: PASS" in swap.report(a, ["machine: test"])
+    assert "== integrity: PASS" in swap_report.report(a, ["machine: test"])

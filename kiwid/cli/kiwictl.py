@@ -12,6 +12,7 @@ from typing import Any
 
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
 from kiwid.cli import explain, top
+from kiwid.cli.status_text import format_number, format_status, format_tenants
 
 DEFAULT_SOCKET = "/run/kiwi/kiwid.sock"
 EXIT_OK = 0
@@ -158,18 +159,6 @@ def _add_explain(sub: Any) -> None:
     cmd.add_argument("--json", action="store_true", help="print the facts as JSON")
 
 
-def format_number(value: float) -> str:
-    """Format seconds without a needless ``.0`` (20.0 → ``20``, 2.5 → ``2.5``).
-
-    Args:
-        value: A finite number.
-
-    Returns:
-        Its shortest readable form.
-    """
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
 def parse_tq(text: str) -> float:
     """Check a TQ given on the command line.
 
@@ -189,141 +178,6 @@ def parse_tq(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"TQ must be a finite number of seconds greater than 0, not {text!r}")
     return value
-
-
-def _bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError  # pragma: no cover - the loop always returns
-
-
-def _override(value: Any, configured: Any, shown: str) -> str:
-    if configured is None or value == configured:
-        return ""
-    return f" (runtime override; file says {shown})"
-
-
-def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
-    tq, tq_conf = gpu.get("tq"), gpu.get("tq_configured")
-    mode, mode_conf = gpu.get("mode"), gpu.get("mode_configured")
-    health = "" if gpu.get("healthy", True) else "  UNHEALTHY"
-    memory = _bytes(gpu.get("memory_total_bytes"))
-    lines = [f"GPU {gpu.get('id')}: {gpu.get('name')} ({gpu.get('uuid')}), {memory}{health}"]
-    tq_text = "?" if tq is None else f"{format_number(tq)} s"
-    conf_text = "?" if tq_conf is None else format_number(tq_conf)
-    lines.append(f"  TQ       {tq_text}{_override(tq, tq_conf, conf_text)}")
-    if gpu.get("idle_release") is not None:
-        lines.append(f"  release  after {format_number(gpu['idle_release'])} s without GPU work")
-    contended = ", contended" if gpu.get("contended") else ""
-    lines.append(f"  mode     {mode}{contended}{_override(mode, mode_conf, str(mode_conf))}")
-    holder = gpu.get("holder")
-    if holder is None:
-        lines.append("  holder   none")
-    else:
-        left = holder.get("remaining_s")
-        when = "keeps it while nobody waits" if left is None else f"{left:.1f} s left"
-        lines.append(f"  holder   {holder['tenant']} for {holder['since_s']:.1f} s, {when}")
-    waiters = gpu.get("waiters") or []
-    if not waiters:
-        lines.append("  waiters  none")
-    for i, w in enumerate(waiters):
-        label = "  waiters  " if i == 0 else "           "
-        lines.append(f"{label}{w['position']}. {w['tenant']} waiting {w['waiting_s']:.1f} s")
-    swap = gpu.get("swap")
-    if swap:
-        rate = swap.get("rate_bytes_s")
-        speed = f" at ~{rate / 1e9:.1f} GB/s" if rate else ""
-        lines.append(
-            f"  swap     {swap['tenant']} {swap['direction']}: {_bytes(swap.get('bytes'))}, "
-            f"{swap.get('elapsed_s', 0):.1f} s so far{speed}"
-        )
-    tenants = gpu.get("tenants") or []
-    if not tenants:
-        lines.append("  tenants  none")
-    for i, t in enumerate(tenants):
-        label = "  tenants  " if i == 0 else "           "
-        pids = ",".join(str(p) for p in t.get("pids", [])) or "-"
-        size = _bytes(t.get("footprint_bytes"))
-        pod = _pod(t)
-        who = f"{t.get('name')}, pod {pod}" if pod else str(t.get("name"))
-        where = ", in host RAM" if t.get("resident") is False else ""
-        refused = f" (swap refused: {t['swap_refusal']})" if t.get("swap_refusal") else ""
-        lines.append(
-            f"{label}{t['id']} ({who}): {t.get('state')}, pids {pids}, {size}{where}{refused}"
-        )
-    return lines
-
-
-def _pod(tenant: dict[str, Any]) -> str:
-    """``namespace/pod`` (or the pod alone, e.g. a UID from a cgroup path); ``""`` if none."""
-    pod, namespace = tenant.get("pod"), tenant.get("namespace")
-    if not pod:
-        return ""
-    return f"{namespace}/{pod}" if namespace else str(pod)
-
-
-def format_status(status: dict[str, Any]) -> str:
-    """Render the daemon's status object for a person.
-
-    Args:
-        status: The ``status`` result (shape in ``docs/control-protocol.md``).
-
-    Returns:
-        Several lines, one block per GPU, without a trailing newline.
-    """
-    lines = [
-        f"kiwid {status.get('version')} (pid {status.get('pid')}), "
-        f"scheduling {status.get('scheduling')}"
-    ]
-    config = status.get("config") or {}
-    reload = config.get("last_reload") or {}
-    if reload.get("ok", True):
-        lines.append(f"config   {config.get('path')} (last reload ok)")
-    else:
-        lines.append(
-            f"config   {config.get('path')}: last reload FAILED, previous settings kept: "
-            f"{reload.get('error')}"
-        )
-    gpus = status.get("gpus") or []
-    if not gpus:
-        lines.append("no GPUs")
-    for gpu in gpus:
-        lines += ["", *_gpu_lines(gpu)]
-    return "\n".join(lines)
-
-
-def format_tenants(tenants: list[dict[str, Any]]) -> str:
-    """Render the ``tenants`` list as an aligned table.
-
-    Args:
-        tenants: The ``tenants`` field of the daemon's answer.
-
-    Returns:
-        A header and one row per tenant (with a ``POD`` column, ``namespace/pod``,
-        when any tenant has a pod), or ``no tenants``.
-    """
-    if not tenants:
-        return "no tenants"
-    pods = any(_pod(t) for t in tenants)  # a POD column only where there are pods
-    rows = [("TENANT", "NAME", *(("POD",) if pods else ()), "STATE", "GPUS", "FOOTPRINT", "PIDS")]
-    for t in tenants:
-        gpus = ",".join(str(g) for g in t.get("gpus", [])) or "-"
-        pids = ",".join(str(p) for p in t.get("pids", [])) or "-"
-        size = _bytes(t.get("footprint_bytes"))
-        pod = ((_pod(t) or "-"),) if pods else ()
-        rows.append(
-            (str(t.get("id")), str(t.get("name")), *pod, str(t.get("state")), gpus, size, pids)
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
 
 
 def _run(args: argparse.Namespace) -> int:

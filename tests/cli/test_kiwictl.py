@@ -330,8 +330,31 @@ def test_status_shows_idle_gpus_failed_reloads_and_mode_overrides() -> None:
 
 def test_holder_without_waiters_keeps_the_gpu() -> None:
     status = copy.deepcopy(STATUS)
-    status["gpus"][0]["holder"]["remaining_s"] = None
+    gpu = status["gpus"][0]
+    gpu["holder"]["remaining_s"] = None
+    # Waiters of a lower priority class: it keeps the GPU all the same.
+    assert "holder   pid:123 for 3.2 s, keeps it: those waiting rank lower" in format_status(status)
+    gpu["waiters"] = []
     assert "holder   pid:123 for 3.2 s, keeps it while nobody waits" in format_status(status)
+
+
+def test_memory_moves_and_waits_are_shown() -> None:
+    status = copy.deepcopy(STATUS)
+    gpu = status["gpus"][0]
+    gpu["handover_waits_for"] = "pid:456"
+    gpu["swaps"] = [
+        {"tenant": "pid:789", "direction": "out", "bytes": 2**30, "elapsed_s": 3.0},
+        {"tenant": "pid:456", "direction": "in", "bytes": 2**31, "elapsed_s": 1.0},
+    ]
+    gpu.update(free_bytes=5 * 2**30, memory_resident_bytes=3 * 2**30)
+    tenant = gpu["tenants"][0]
+    tenant.update(remembered_bytes=47 * 2**30, waiting_for="waiting for free memory on GPU 0")
+    text = format_status(status)
+    assert "quantum over, keeps it until pid:456's memory is back" in text
+    assert "  swap     pid:789 out: 1.0 GiB, 3.0 s so far\n           pid:456 in: 2.0 GiB" in text
+    assert "  memory   5.0 GiB free (driver), 3.0 GiB held by tenants" in text
+    assert "sized from its last run (47.0 GiB)" in text
+    assert "; not let go yet: waiting for free memory on GPU 0" in text
 
 
 def test_no_gpus_no_tenants() -> None:

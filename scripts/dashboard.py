@@ -70,7 +70,8 @@ def variable(name: str, label: str, values: str) -> dashboard.QueryVariable:
 
 
 def build() -> dashboard.Dashboard:
-    """The dashboard: overview, tenants, queue, hand-overs and memory, failures."""
+    """The dashboard: overview, tenants, weights and priorities, queue, hand-overs and
+    memory, failures."""
     return (
         dashboard.Dashboard("Kiwi: shared GPUs")
         .uid("kiwi-gpu-sharing")
@@ -128,6 +129,52 @@ def build() -> dashboard.Dashboard:
                 query(f"60 * rate(kiwi_tenant_quanta_total{{{ON}}}[5m])", "{{name}} (GPU {{gpu}})"),
             )
         )
+        .with_row(dashboard.Row("Weights and priorities"))
+        .with_panel(
+            series(
+                "Entitled and received share",
+                "percentunit",
+                query(
+                    f"kiwi:tenant_gpu_time_entitled_share:ratio_rate5m{{{ON}}}",
+                    "{{name}} entitled (GPU {{gpu}})",
+                ),
+                query(
+                    f"kiwi:tenant_gpu_time_share:ratio_rate5m{{{ON}}}",
+                    "{{name}} received (GPU {{gpu}})",
+                ),
+                text="Each tenant's share of its GPU's time over 5 minutes: what its weight "
+                "entitled it to within its priority class, and what it held.",
+            )
+        )
+        .with_panel(
+            series(
+                "Preemptions per minute, by reason",
+                "none",
+                query(
+                    f"60 * rate(kiwi_tenant_preemptions_total{{{ON}}}[5m])",
+                    "{{name}} {{reason}} (GPU {{gpu}})",
+                ),
+                text="quantum: its quantum ended while others waited; priority: a tenant "
+                "of a higher priority wanted the GPU.",
+            )
+        )
+        .with_panel(
+            series(
+                "Weight",
+                "none",
+                query(f"kiwi_tenant_weight{{{ON}}}", "{{name}} (GPU {{gpu}})"),
+                text="Its quantum is TQ x weight; shares within a priority class follow "
+                "the weights.",
+            )
+        )
+        .with_panel(
+            series(
+                "Priority",
+                "none",
+                query(f"kiwi_tenant_priority{{{ON}}}", "{{name}} (GPU {{gpu}})"),
+                text="Higher first: a higher class preempts a lower holder.",
+            )
+        )
         .with_row(dashboard.Row("Queue"))
         .with_panel(
             series(
@@ -141,12 +188,8 @@ def build() -> dashboard.Dashboard:
                 "Wait so far, and its bound",
                 "s",
                 query(f"kiwi_waiter_wait_seconds{{{ON}}}", "{{tenant}} waited"),
-                query(
-                    f"kiwi_waiter_position{{{ON}}} * on (instance, job, gpu) group_left () "
-                    f"kiwi_gpu_tq_seconds{{{ON}}} + 2",
-                    "{{tenant}} bound",
-                ),
-                text="The bound: (waiters ahead + 1) x TQ + a 2 s hand-over allowance.",
+                query(f"kiwi_waiter_wait_bound_seconds{{{ON}}}", "{{tenant}} bound"),
+                text="The bound: (waiters ahead + 1) x TQ + scheduler.handover_allowance.",
             )
         )
         .with_panel(

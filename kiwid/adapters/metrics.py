@@ -41,18 +41,31 @@ TENANT_LABELS = ("tenant", "name", "pod", "namespace", "gpu")
 # (metric name, ledger field, help text); the ledger's seconds and bytes are cumulative.
 _LEDGER_COUNTERS = (
     ("kiwi_tenant_holding_seconds_total", "holding_s", "Seconds the tenant held the GPU."),
+    (
+        "kiwi_tenant_entitled_seconds_total",
+        "entitled_s",
+        "Seconds of GPU time the tenant was entitled to: its weight over the weights of "
+        "its class's bursting tenants, while its class was the highest bursting.",
+    ),
     ("kiwi_tenant_waiting_seconds_total", "waiting_s", "Seconds the tenant waited (gated)."),
     ("kiwi_tenant_corunning_seconds_total", "corunning_s", "Seconds run un-gated with others."),
     ("kiwi_tenant_quanta_total", "quanta", "Quanta (exclusive turns) granted to the tenant."),
-    ("kiwi_tenant_preemptions_total", "preempted", "Turns that ended at the quantum's end."),
     ("kiwi_tenant_early_releases_total", "early_releases", "Turns given back early (idle)."),
     ("kiwi_tenant_swapped_out_bytes_total", "swapped_out_bytes", "GPU memory swapped out."),
     ("kiwi_tenant_swapped_in_bytes_total", "swapped_in_bytes", "GPU memory swapped back in."),
     ("kiwi_tenant_swap_seconds_total", "swap_s", "Seconds spent swapping GPU memory."),
 )
-_LEDGER_FIELDS = tuple(field for _, field, _ in _LEDGER_COUNTERS)
-# Per tenant, after the counters: (name, type, help). The last two are present only
-# for a tenant whose last gate or swap failed.
+PREEMPTIONS = "kiwi_tenant_preemptions_total"
+# The ledger's ``preempted`` counts every preemption, ``preempted_priority`` those
+# for a higher priority: the counter splits them by ``reason``.
+_LEDGER_FIELDS = (
+    *(field for _, field, _ in _LEDGER_COUNTERS),
+    "preempted",
+    "preempted_priority",
+)
+# Per tenant, after the counters: (name, help). The swap and gate ones are present
+# only for a tenant whose last gate or swap failed; weight and priority only for a
+# live tenant (from its resolved ``policy``).
 _TENANT_GAUGES = (
     ("kiwi_tenant_footprint_bytes", "GPU memory the tenant uses (all its processes)."),
     (
@@ -64,6 +77,19 @@ _TENANT_GAUGES = (
         "1 while the tenant's last swap was not done, by reason (host_floor: the host RAM "
         "floor, other); absent otherwise.",
     ),
+    ("kiwi_tenant_weight", "The tenant's weight: its quantum is TQ x weight."),
+    ("kiwi_tenant_priority", "The tenant's priority class (higher first)."),
+)
+# The tenant families in the order of the exposition (and of a tenant's lines).
+_TENANT_FAMILIES = (
+    *((name, "counter", text) for name, _, text in _LEDGER_COUNTERS),
+    (
+        PREEMPTIONS,
+        "counter",
+        "Turns taken from the tenant, by reason (quantum: its quantum ended while others "
+        "waited; priority: a tenant of a higher priority wanted the GPU).",
+    ),
+    *((name, "gauge", text) for name, text in _TENANT_GAUGES),
 )
 # Per GPU: (name, type, help, label names).
 _GPU_FAMILIES = (
@@ -97,6 +123,13 @@ _GPU_FAMILIES = (
         "The waiting tenant's place in the GPU's queue (1: next).",
         ("gpu", "tenant"),
     ),
+    (
+        "kiwi_waiter_wait_bound_seconds",
+        "gauge",
+        "The bound on the waiting tenant's wait: (waiters ahead + 1) x TQ + the hand-over "
+        "allowance.",
+        ("gpu", "tenant"),
+    ),
 )
 HANDOVER = "kiwi_handover_duration_seconds"
 # Families whose series are NAME_bucket, NAME_sum and NAME_count.
@@ -104,8 +137,7 @@ HISTOGRAM_FAMILIES = (HANDOVER,)
 # Every metric family kiwid exports besides prometheus_client's process_* ones: what
 # the shipped Prometheus rules and Grafana dashboard may query (a test checks them).
 METRIC_FAMILIES: tuple[str, ...] = (
-    *(name for name, _, _ in _LEDGER_COUNTERS),
-    *(name for name, _ in _TENANT_GAUGES),
+    *(family[0] for family in _TENANT_FAMILIES),
     *(family[0] for family in _GPU_FAMILIES),
     HANDOVER,
     "kiwi_reloads_total",
@@ -210,8 +242,10 @@ def _refusal_reason(text: Any) -> str | None:
     return "host_floor" if str(text).startswith("host RAM floor") else "other"
 
 
+_TENANT_HEADERS = tuple(_header(*family) for family in _TENANT_FAMILIES)
+
 # A tenant's series on one GPU are a pure function of this key: its labels, its
-# ledger's values, its footprint and its gate and swap failures.
+# ledger's values, its footprint, its gate and swap failures, its weight and priority.
 _TenantKey = tuple[Any, ...]
 
 
@@ -248,20 +282,19 @@ class Exposition:
     ) -> list[str]:
         old = self._tenant_cache
         fresh: dict[_TenantKey, tuple[str, ...]] = {}
-        columns: list[list[str]] = [[] for _ in range(len(_LEDGER_COUNTERS) + 3)]
+        rows: list[tuple[str, ...]] = []  # per tenant and GPU, a line (or "") per family
         seen: set[tuple[str, str]] = set()
 
         def add(key: _TenantKey) -> None:
             lines = fresh.get(key) or old.get(key) or _tenant_lines(key)
             fresh[key] = lines
-            for column, line in zip(columns, lines, strict=True):
-                if line:
-                    column.append(line)
+            rows.append(lines)
 
         for gpu in gpus:
             gid = _escape(gpu.get("id"))
             for tenant in gpu.get("tenants") or []:
                 ledger = tenant.get("ledger") or {}
+                policy = tenant.get("policy") or {}
                 size = ledger.get("footprint_bytes")
                 tid = tenant.get("id")
                 seen.add((_escape(tid), gid))
@@ -276,6 +309,8 @@ class Exposition:
                         tenant.get("footprint_bytes") if size is None else size,
                         bool(tenant.get("gate_failure")),
                         _refusal_reason(tenant.get("swap_refusal")),
+                        policy.get("weight"),
+                        policy.get("priority"),
                     )
                 )
         for entry in departed:
@@ -284,32 +319,41 @@ class Exposition:
                 if (_escape(tid), gid) in seen:  # back again: current wins
                     continue
                 labels = (tid, entry.get("name"), entry.get("pod"), entry.get("namespace"), gid)
-                add((*labels, *[ledger.get(field) for field in _LEDGER_FIELDS], None, False, None))
+                values = [ledger.get(field) for field in _LEDGER_FIELDS]
+                add((*labels, *values, None, False, None, None, None))
         self._tenant_cache = fresh  # only what this scrape showed: bounded like the status
-        families = [
-            *((name, "counter", text) for name, _, text in _LEDGER_COUNTERS),
-            *((name, "gauge", text) for name, text in _TENANT_GAUGES),
-        ]
+        columns = zip(*rows, strict=True) if rows else [()] * len(_TENANT_FAMILIES)
         return [
-            _header(name, kind, text) + "".join(column)
-            for (name, kind, text), column in zip(families, columns, strict=True)
+            header + "".join(column)
+            for header, column in zip(_TENANT_HEADERS, columns, strict=True)
         ]
 
 
 def _tenant_lines(key: _TenantKey) -> tuple[str, ...]:
-    """One tenant's line (or "") in each tenant family, from its cache key."""
+    """One tenant's lines (or "") in each tenant family, from its cache key."""
     labels = _labels(zip(TENANT_LABELS, key[:5], strict=True))
-    values = key[5 : 5 + len(_LEDGER_FIELDS)]
-    footprint, gate_failed, refusal = key[5 + len(_LEDGER_FIELDS) :]
+    *values, preempted, by_priority = key[5 : 5 + len(_LEDGER_FIELDS)]
+    footprint, gate_failed, refusal, weight, priority = key[5 + len(_LEDGER_FIELDS) :]
     lines = [
         "" if value is None else f"{name}{labels} {_number(value)}\n"
         for (name, _, _), value in zip(_LEDGER_COUNTERS, values, strict=True)
     ]
+    if preempted is None:
+        lines.append("")
+    else:
+        by_priority = by_priority or 0  # a ledger from before priorities: none of them
+        reason = f"{PREEMPTIONS}{labels[:-1]},reason="
+        lines.append(
+            f'{reason}"quantum"}} {_number(preempted - by_priority)}\n'
+            f'{reason}"priority"}} {_number(by_priority)}\n'
+        )
     size = "" if footprint is None else _number(footprint)
     lines.append(f"kiwi_tenant_footprint_bytes{labels} {size}\n" if size else "")
     lines.append(f"kiwi_tenant_gate_failed{labels} 1\n" if gate_failed else "")
     refused = f'{labels[:-1]},reason="{refusal}"}}'
     lines.append(f"kiwi_tenant_swap_refused{refused} 1\n" if refusal else "")
+    lines.append("" if weight is None else f"kiwi_tenant_weight{labels} {_number(weight)}\n")
+    lines.append("" if priority is None else f"kiwi_tenant_priority{labels} {_number(priority)}\n")
     return tuple(lines)
 
 
@@ -354,6 +398,11 @@ def _gpu_families(gpus: list[Mapping[str, Any]]) -> list[str]:
             if waiter.get("position") is not None:
                 place = _number(waiter["position"])
                 columns["kiwi_waiter_position"].append(f"kiwi_waiter_position{who} {place}\n")
+            if waiter.get("wait_bound_s") is not None:
+                bound = _number(waiter["wait_bound_s"])
+                columns["kiwi_waiter_wait_bound_seconds"].append(
+                    f"kiwi_waiter_wait_bound_seconds{who} {bound}\n"
+                )
         handover.extend(_histogram(HANDOVER, gid, gpu.get("handover_seconds")))
     return [
         *(

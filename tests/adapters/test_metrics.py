@@ -33,6 +33,8 @@ LEDGER = {
     "swapped_out_bytes": 2**30,
     "swapped_in_bytes": 2**29,
     "swap_s": 1.5,
+    "preempted_priority": 1,
+    "entitled_s": 280.25,
 }
 STATUS: dict[str, Any] = {
     "version": "0.1.0",
@@ -52,7 +54,15 @@ STATUS: dict[str, Any] = {
             "memory_total_bytes": 80 * 2**30,
             "memory_resident_bytes": 3 * 2**30,
             "holder": {"tenant": "docker:ab12cd34ef56", "since_s": 2.3, "remaining_s": 17.7},
-            "waiters": [{"tenant": "pid:456", "waiting_s": 12.3, "position": 1, "eta_s": 17.7}],
+            "waiters": [
+                {
+                    "tenant": "pid:456",
+                    "waiting_s": 12.3,
+                    "position": 1,
+                    "eta_s": 17.7,
+                    "wait_bound_s": 22.0,
+                }
+            ],
             "handover_seconds": {
                 "buckets": [
                     [0.005, 1],
@@ -77,6 +87,21 @@ STATUS: dict[str, Any] = {
                     "state": "holder",
                     "footprint_bytes": 3 * 2**30,
                     "ledger": LEDGER,
+                    "policy": {
+                        "weight": 2.5,
+                        "priority": 10,
+                        "tq": None,
+                        "swap": "never",
+                        "rule": 0,
+                        "sources": {
+                            "weight": "annotation",
+                            "priority": "rule 0",
+                            "tq": "default",
+                            "swap": "rule 0",
+                        },
+                        "capped": ["weight"],
+                        "runtime": False,
+                    },
                 },
                 {
                     "id": "pid:456",
@@ -88,6 +113,7 @@ STATUS: dict[str, Any] = {
                     "ledger": {**LEDGER, "holding_s": 1.0, "quanta": 1},
                     "gate_failure": "freeze of /kiwi/pid-456 timed out after 2 s",
                     "swap_refusal": "host RAM floor: 1073741824 bytes would leave 5 of the ...",
+                    "policy": {"weight": 1.0, "priority": 0, "tq": 5.0, "swap": "allow"},
                 },
             ],
         },
@@ -171,9 +197,9 @@ def test_ledger_counters_carry_tenant_pod_and_gpu_labels(serve) -> None:
     holder = HOLDER | {("gpu", "0")}
     expected = {
         "kiwi_tenant_holding_seconds_total": 310.5,
+        "kiwi_tenant_entitled_seconds_total": 280.25,
         "kiwi_tenant_waiting_seconds_total": 242.0,
         "kiwi_tenant_quanta_total": 11,
-        "kiwi_tenant_preemptions_total": 3,
         "kiwi_tenant_early_releases_total": 2,
         "kiwi_tenant_swapped_out_bytes_total": 2**30,
         "kiwi_tenant_swapped_in_bytes_total": 2**29,
@@ -186,6 +212,50 @@ def test_ledger_counters_carry_tenant_pod_and_gpu_labels(serve) -> None:
     assert samples[("kiwi_tenant_footprint_bytes", holder)] == 3 * 2**30
     bare = labels(tenant="pid:456", name="pid 456", pod="", namespace="", gpu="0")
     assert samples[("kiwi_tenant_quanta_total", bare)] == 1
+
+
+def preemptions(samples: Samples, who: frozenset[tuple[str, str]]) -> dict[str, float]:
+    """A tenant's preemption counters by reason."""
+    return {
+        dict(key)["reason"]: value
+        for (name, key), value in samples.items()
+        if name == "kiwi_tenant_preemptions_total" and who <= key
+    }
+
+
+def test_preemptions_are_counted_by_reason() -> None:
+    """quantum: preempted less preempted_priority; priority: preempted_priority."""
+    status = copy.deepcopy(STATUS)
+    status["gpus"][0]["tenants"][1]["ledger"] = {**LEDGER, "preempted": 7, "preempted_priority": 0}
+    del status["departed"][0]["ledger"]["preempted_priority"]  # a ledger from before priorities
+    families, samples = parse(Exposition().render(status))
+    assert families["kiwi_tenant_preemptions"].type == "counter"
+    assert preemptions(samples, HOLDER | {("gpu", "0")}) == {"quantum": 2, "priority": 1}
+    bare = labels(tenant="pid:456", name="pid 456", pod="", namespace="", gpu="0")
+    assert preemptions(samples, bare) == {"quantum": 7, "priority": 0}
+    gone = labels(tenant="pid:99", name="pid 99", pod="", namespace="", gpu="1")
+    assert preemptions(samples, gone) == {"quantum": 3, "priority": 0}
+    # Summed over the reasons, the counter is the ledger's preempted, as before.
+    assert sum(preemptions(samples, HOLDER).values()) == LEDGER["preempted"]
+
+
+def test_weight_and_priority_of_live_tenants() -> None:
+    families, samples = parse(Exposition().render(STATUS))
+    assert families["kiwi_tenant_weight"].type == "gauge"
+    assert families["kiwi_tenant_priority"].type == "gauge"
+    holder = HOLDER | {("gpu", "0")}
+    bare = labels(tenant="pid:456", name="pid 456", pod="", namespace="", gpu="0")
+    assert samples[("kiwi_tenant_weight", holder)] == 2.5
+    assert samples[("kiwi_tenant_priority", holder)] == 10
+    assert samples[("kiwi_tenant_weight", bare)] == 1
+    assert samples[("kiwi_tenant_priority", bare)] == 0
+    # A departed tenant has no policy any more: only its counters stay.
+    policies = {
+        dict(key)["tenant"]
+        for (name, key), _ in samples.items()
+        if name in ("kiwi_tenant_weight", "kiwi_tenant_priority")
+    }
+    assert policies == {"docker:ab12cd34ef56", "pid:456"}
 
 
 def test_departed_tenants_stay_until_the_daemon_drops_them(serve) -> None:
@@ -334,6 +404,7 @@ def test_waiters_failures_and_daemon_gauges(serve) -> None:
     waiter = labels(gpu="0", tenant="pid:456")
     assert samples[("kiwi_waiter_wait_seconds", waiter)] == 12.3
     assert samples[("kiwi_waiter_position", waiter)] == 1
+    assert samples[("kiwi_waiter_wait_bound_seconds", waiter)] == 22
     bare = labels(tenant="pid:456", name="pid 456", pod="", namespace="", gpu="0")
     assert samples[("kiwi_tenant_gate_failed", bare)] == 1
     assert samples[("kiwi_tenant_swap_refused", bare | {("reason", "host_floor")})] == 1
@@ -387,3 +458,47 @@ def test_a_tenant_that_changes_is_shown_as_it_is_now() -> None:
     status["departed"] = []
     _, samples = parse(exposition.render(status))
     assert not [k for k in samples if k[0].startswith("kiwi_tenant_")]
+
+
+def _set(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], None]:
+    def change(status: dict[str, Any]) -> None:
+        node: Any = status
+        for step in path[:-1]:
+            node = node[step]
+        node[path[-1]] = value
+
+    return change
+
+
+HOLDER_AT = ("gpus", 0, "tenants", 0)
+# One change to each input of a tenant's lines (a live one, and a departed one).
+CHANGES = {
+    **{
+        f"ledger.{field}": _set((*HOLDER_AT, "ledger", field), 99)
+        for field in LEDGER
+        if field != "idle_s"  # not exported
+    },
+    "policy.weight": _set((*HOLDER_AT, "policy", "weight"), 4.0),
+    "policy.priority": _set((*HOLDER_AT, "policy", "priority"), -1),
+    "policy gone": _set((*HOLDER_AT, "policy"), None),
+    "footprint": _set((*HOLDER_AT, "footprint_bytes"), 5),
+    "gate failure": _set((*HOLDER_AT, "gate_failure"), "freeze timed out"),
+    "swap refusal": _set((*HOLDER_AT, "swap_refusal"), "host RAM floor: ..."),
+    "namespace": _set((*HOLDER_AT, "namespace"), "shop-2"),
+    "departed ledger": _set(("departed", 0, "ledger", "preempted_priority"), 2),
+    "departed name": _set(("departed", 0, "name"), "pid 99 (old)"),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
+def test_lines_kept_between_scrapes_are_those_a_fresh_render_writes(
+    change: Callable[[dict[str, Any]], None],
+) -> None:
+    """A tenant's lines are a pure function of its cache key: every input is in it."""
+    exposition = Exposition()
+    status = copy.deepcopy(STATUS)
+    before = exposition.render(status)
+    change(status)
+    after = exposition.render(status)
+    assert after != before  # the change shows
+    assert after == Exposition().render(status)

@@ -178,6 +178,20 @@ def test_metrics_from_a_real_kiwids_status_parse_and_keep_departed_tenants(
             if n == "kiwi_tenant_quanta_total"
         }
         assert quanta == {a.key: 1, b.key: 0}
+        # The policy, the split preemptions and the waiter's bound, under the names
+        # the real status object uses: b waits first in line, 1 x TQ 30 s + 2 s.
+        for tenant in (a.key, b.key):
+            mine = {
+                (n, dict(lb).get("reason")): v
+                for (n, lb), v in samples.items()
+                if ("tenant", tenant) in lb and n.startswith("kiwi_tenant_")
+            }
+            assert mine[("kiwi_tenant_weight", None)] == 1
+            assert mine[("kiwi_tenant_priority", None)] == 0
+            assert mine[("kiwi_tenant_preemptions_total", "quantum")] == 0
+            assert mine[("kiwi_tenant_preemptions_total", "priority")] == 0
+        bound = ("kiwi_waiter_wait_bound_seconds", (("gpu", "0"), ("tenant", b.key)))
+        assert samples[bound] == 32
         assert ("kiwi_handover_duration_seconds_count", (("gpu", "0"),)) in samples
         a.proc.kill()
         a.proc.wait()

@@ -120,3 +120,153 @@ def test_extra_config_deep_merges_into_the_roles_tables(tmp_path: Path) -> None:
     # gpu.sim is read at start: recorded in the drop-in; memory.* is reloaded: not there.
     assert '"swap_in_gbps": 9.0' in dropin
     assert "memory." not in dropin and "3072" not in dropin and "checkpoint" not in dropin
+
+
+def check_config_fails(path: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "kiwid", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode != 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+RULES = [
+    {"match": {"namespace": "research", "pod": "train-*"}, "weight": 3},
+    {"match": {"name": "inference-*"}, "priority": 10, "swap": "never"},
+    {
+        "match": {"unit": "batch-*.service", "cgroup": '/odd/"quoted"\\path*'},
+        "weight": 0.5,
+        "priority": -1,
+        "tq": 12.5,
+        "swap": "allow",
+        "max_weight": 2,
+        "max_priority": 0,
+    },
+    {"match": {}, "weight": 1.0, "max_priority": None},  # null: not written
+]
+
+
+@pytest.mark.timeout(180)
+def test_tenant_rules_render_as_an_array_of_tables_in_order(tmp_path: Path) -> None:
+    text, dropin = render(
+        tmp_path,
+        kiwid_tenants=RULES,
+        kiwid_scheduler_preempt_after=1.5,
+        kiwid_scheduler_max_wait=600,
+    )
+    check_config(tmp_path / "kiwi.toml")
+    doc = tomllib.loads(text)
+    assert doc["scheduler"]["preempt_after"] == 1.5
+    assert doc["scheduler"]["max_wait"] == 600.0
+    assert doc["tenants"] == [
+        {"match": {"namespace": "research", "pod": "train-*"}, "weight": 3},
+        {"match": {"name": "inference-*"}, "priority": 10, "swap": "never"},
+        RULES[2],
+        {"match": {}, "weight": 1.0},
+    ]
+    assert text.count("\n[[tenants]]\n") == len(RULES)
+    # Reloaded settings: the drop-in (whose change restarts kiwid) is what it was.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert dropin == render(plain)[1]
+
+
+@pytest.mark.timeout(180)
+def test_defaults_write_no_tenant_rules_and_the_scheduler_defaults(tmp_path: Path) -> None:
+    text, _ = render(tmp_path)
+    doc = tomllib.loads(text)
+    assert "tenants" not in doc and "[[tenants]]" not in text
+    assert doc["scheduler"]["preempt_after"] == 0.0
+    assert doc["scheduler"]["max_wait"] == 0.0
+
+
+@pytest.mark.timeout(180)
+def test_a_bad_rule_reaches_check_config_instead_of_being_dropped(tmp_path: Path) -> None:
+    """A misspelt key is written, not left out; a rule without match is not made
+    to match every tenant: kiwid check-config (the template task's validate:)
+    refuses both, naming the rule."""
+    text, _ = render(
+        tmp_path,
+        kiwid_tenants=[{"match": {"pod": "a-*"}, "wieght": 2}, {"priority": 5}],
+    )
+    assert "wieght = 2" in text
+    problems = check_config_fails(tmp_path / "kiwi.toml")
+    assert "tenants[0].wieght" in problems, problems
+    assert "tenants[1]: needs a match table" in problems, problems
+
+
+SPEC_PLAY = """\
+- name: Check variables against the kiwid role's argument specs.
+  hosts: localhost
+  connection: local
+  gather_facts: false
+  tasks:
+    - name: Validate them as a run of the role would.
+      ansible.builtin.validate_argument_spec:
+        argument_spec: "{{{{ specs.argument_specs.main.options }}}}"
+        provided_arguments: "{{{{ given }}}}"
+      vars:
+        specs: "{{{{ lookup('file', '{specs}') | from_yaml }}}}"
+"""
+
+
+def validate_arguments(tmp_path: Path, **given: Any) -> list[str]:
+    """The role's argument validation of ``given``: its errors (none: valid)."""
+    play = tmp_path / "validate.yml"
+    play.write_text(SPEC_PLAY.format(specs=ROLE / "meta" / "argument_specs.yml"))
+    done = subprocess.run(
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            str(play),
+            "-e",
+            json.dumps({"ansible_python_interpreter": sys.executable, "given": given}),
+        ],
+        capture_output=True,
+        text=True,
+        env={
+            "PATH": f"{BIN}:/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
+            "LANG": "C.UTF-8",
+        },
+        timeout=120,
+        check=False,
+    )
+    if done.returncode == 0:
+        return []
+    failed = [line for line in done.stdout.splitlines() if line.startswith("fatal: ")]
+    assert failed, done.stdout + done.stderr
+    return list(json.loads(failed[0].split(" => ", 1)[1])["argument_errors"])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("rules", "why"),
+    [
+        (RULES, None),
+        ([{"match": {"pod": "a-*"}, "wieght": 2}], "kiwid_tenants.wieght. Supported"),
+        ([{"match": {"pods": "a-*"}}], "kiwid_tenants.match.pods. Supported"),
+        ([{"weight": 2}], "missing required arguments: match"),
+        ([{"match": {}, "swap": "sometimes"}], "sometimes"),
+        ([{"match": {}, "priority": "high"}], "'high'"),
+    ],
+    ids=["good", "misspelt key", "misspelt match key", "no match", "bad swap", "bad priority"],
+)
+def test_argument_specs_type_the_tenant_rules(
+    tmp_path: Path, rules: list[dict[str, Any]], why: str | None
+) -> None:
+    errors = validate_arguments(
+        tmp_path,
+        kiwid_tenants=rules,
+        kiwid_scheduler_preempt_after=2.0,
+        kiwid_scheduler_max_wait=0.0,
+    )
+    if why is None:
+        assert errors == []
+    else:
+        assert len(errors) == 1 and why in errors[0], errors

@@ -9,7 +9,9 @@ order, each leaving the fleet deployed and running for the next:
    --check --diff shows it first and changes nothing; tq.yml -e does the same.
    Swapping turned on through the role (kiwid_memory_swap, with kiwid_extra_config
    deep-merged into [memory]) is a reload; a gpu.sim key in kiwid_extra_config is
-   read at start only, and restarts kiwid.
+   read at start only, and restarts kiwid. Tenant rules (kiwid_tenants, as
+   [[tenants]]) added, changed and removed: each a reload, applied to a running
+   tenant's policy.
 3. A hand edit plus ``systemctl reload`` applies; a broken hand edit is refused
    with the unit still active; a broken template is refused by ``validate``, and
    the serial rollout stops at the first host.
@@ -352,6 +354,96 @@ def test_swapping_through_the_role_is_a_reload_and_a_start_time_setting_a_restar
         assert status(host)["gpus"][0]["swap_mode"] == "none"
 
 
+def tenant_policy(host: Host, tenant: str) -> dict[str, Any] | None:
+    """The policy in force for ``tenant``, as ``kiwictl status`` shows it."""
+    for entry in status(host)["gpus"][0]["tenants"]:
+        if entry["id"] == tenant:
+            return dict(entry["policy"])
+    return None
+
+
+def test_tenant_rules_through_the_role_are_a_reload(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet
+) -> None:
+    """kiwid_tenants added, then one rule changed, then all removed: each run writes
+    [[tenants]] and reloads kiwid (same MainPID, logged), never restarts it, and the
+    running tenant's policy follows the rules."""
+    service = "kiwi-policy-a.service"
+    tenant = f"systemd:{service}"
+
+    def run_and_see(want: dict[str, Any]) -> None:
+        before = {h.name: unit(h) for h in fleet.hosts}
+        marks = {h.name: now(h) for h in fleet.hosts}
+        run = ansible.play("site.yml")
+        assert_ok(run)
+        for host in fleet.hosts:
+            assert run.changed(host.name) > 0, run.explain()
+            wait_for(
+                lambda h=host: (tenant_policy(h, tenant) or {}).items() >= want.items(),
+                20,
+                f"{tenant}'s policy {want} on {host.name}",
+            )
+            after = unit(host)
+            assert after["MainPID"] == before[host.name]["MainPID"], "a reload, not a restart"
+            assert after["NRestarts"] == before[host.name]["NRestarts"]
+            assert (after["ActiveState"], after["SubState"]) == ("active", "running"), after
+            assert status(host)["config"]["last_reload"]["ok"]
+            log = journal(host, marks[host.name])
+            assert "Reloading /etc/kiwi.toml" in log, log
+            assert "Stopped kiwid.service" not in log, log
+
+    try:
+        for host in fleet.hosts:
+            host.run(
+                "systemd-run", "--quiet", "--collect", f"--unit={service}",
+                "/usr/bin/python3", "-c", "import time; time.sleep(3600)",
+            )  # fmt: skip
+            host.run(KIWI_PYTHON, "-c", ATTACH, host.show(service, "MainPID")["MainPID"])
+            wait_for(lambda h=host: tenant_policy(h, tenant), 20, f"{tenant} on {host.name}")
+            assert tenant_policy(host, tenant) == {
+                "weight": 1.0,
+                "priority": 0,
+                "tq": None,
+                "swap": "allow",
+                "rule": None,
+                "sources": dict.fromkeys(("weight", "priority", "tq", "swap"), "default"),
+                "capped": [],
+                "runtime": False,
+            }
+
+        # Rules added (the first matches someone else), and the scheduler's two keys.
+        ansible.vars["kiwid_tenants"] = [
+            {"match": {"unit": "other-*.service"}, "weight": 5},
+            {"match": {"unit": "kiwi-policy-*.service"}, "weight": 3, "priority": 5},
+        ]
+        ansible.vars["kiwid_scheduler_preempt_after"] = 1.5
+        ansible.vars["kiwid_scheduler_max_wait"] = 600
+        run_and_see({"weight": 3.0, "priority": 5, "rule": 1})
+        for host in fleet.hosts:
+            config = host.sh("cat /etc/kiwi.toml")
+            assert config.count("\n[[tenants]]\n") == 2, config
+            assert 'match = { unit = "kiwi-policy-*.service" }' in config, config
+            scheduler = config.split("[scheduler]", 1)[1].split("\n\n", 1)[0]
+            for line in ("preempt_after = 1.5", "max_wait = 600.0"):
+                assert line in scheduler.splitlines(), config
+
+        # One rule changed, nothing else.
+        ansible.vars["kiwid_tenants"][1]["weight"] = 2
+        run_and_see({"weight": 2.0, "priority": 5, "rule": 1})
+        sources = tenant_policy(fleet.hosts[0], tenant) or {}
+        assert sources["sources"]["weight"] == "rule 1", sources
+
+        # All removed: the defaults again.
+        for name in ("kiwid_tenants", "kiwid_scheduler_preempt_after", "kiwid_scheduler_max_wait"):
+            del ansible.vars[name]
+        run_and_see({"weight": 1.0, "priority": 0, "rule": None})
+        for host in fleet.hosts:
+            assert "[[tenants]]" not in host.sh("cat /etc/kiwi.toml")
+    finally:
+        for host in fleet.hosts:
+            host.run("systemctl", "stop", service, check=False)
+
+
 # ---------------------------------------------------------------- 3. reload by hand, validate
 
 
@@ -414,8 +506,10 @@ def test_watchdog_restarts_a_hung_kiwid(
     before = {h.name: unit(h) for h in fleet.hosts}
     marks = {h.name: now(h) for h in fleet.hosts}
     # A short watchdog, and the metrics endpoint (a start-time setting, which
-    # also needs the network that the unit denies by default).
+    # also needs the network that the unit denies by default). kiwid refuses to
+    # start with a gate timeout above half the watchdog (1.5 s here).
     ansible.vars["kiwid_systemd_overrides"] = {"WatchdogSec": "3s"}
+    ansible.vars["kiwid_gate_timeout"] = 1.0
     ansible.vars["kiwid_metrics_listen"] = "127.0.0.1:9417"
     run = ansible.play("site.yml")
     assert_ok(run)
@@ -471,7 +565,7 @@ def test_sigkill_restarts_and_execstoppost_thaws_the_frozen_tenant(
             recover = {
                 e["_PID"]
                 for e in entries
-                if e["MESSAGE"] == "[INFO] Nothing is gated (1 tenant(s) ungated)"
+                if e["MESSAGE"] == "[INFO] Nothing is gated (1 tenant(s) let go)"
             }
             assert len(recover) == 1, messages
             assert recover.isdisjoint({old[host.name]["MainPID"], after["MainPID"]}), messages

@@ -17,16 +17,17 @@ from tests.prometheus.test_rules import REPO, RULE_FILES, exported_series, kiwi_
 DASHBOARD = REPO / "etc" / "grafana" / "kiwi.json"
 
 
-def exprs() -> list[str]:
-    def walk(node: Any) -> list[str]:
-        if isinstance(node, dict):
-            found = [node["expr"]] if isinstance(node.get("expr"), str) else []
-            return found + [e for value in node.values() for e in walk(value)]
-        if isinstance(node, list):
-            return [e for value in node for e in walk(value)]
-        return []
+def _exprs_of(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        found = [node["expr"]] if isinstance(node.get("expr"), str) else []
+        return found + [e for value in node.values() for e in _exprs_of(value)]
+    if isinstance(node, list):
+        return [e for value in node for e in _exprs_of(value)]
+    return []
 
-    return walk(json.loads(DASHBOARD.read_text()))
+
+def exprs() -> list[str]:
+    return _exprs_of(json.loads(DASHBOARD.read_text()))
 
 
 def test_the_committed_dashboard_is_what_the_script_builds() -> None:
@@ -55,6 +56,25 @@ def test_its_queries_use_only_series_kiwid_exports_and_the_shipped_rules() -> No
         assert set(re.findall(r"\bkiwi:[a-z0-9_:]+", expr)) <= recorded, expr
     used = {name for expr in queries for name in kiwi_names(expr)}
     assert "kiwi_waiter_wait_seconds" in used and "up" not in used  # kiwi_ names only
+    # Waits against kiwid's own bound; weights, priorities, preemptions by reason, and
+    # entitled against received share (recorded from the entitled and holding counters).
+    assert {
+        "kiwi_waiter_wait_bound_seconds",
+        "kiwi_tenant_weight",
+        "kiwi_tenant_priority",
+        "kiwi_tenant_preemptions_total",
+    } <= used
+    assert not [e for e in queries if "kiwi_gpu_tq_seconds" in e and "+ 2" in e]
+    shares = {
+        "kiwi:tenant_gpu_time_entitled_share:ratio_rate5m",
+        "kiwi:tenant_gpu_time_share:ratio_rate5m",
+    }
+    side_by_side = [
+        panel["title"]
+        for panel in json.loads(DASHBOARD.read_text())["panels"]
+        if shares <= {e.split("{")[0] for e in _exprs_of(panel)}
+    ]
+    assert side_by_side == ["Entitled and received share"]
 
 
 def test_its_queries_are_valid_promql(tmp_path: Path) -> None:

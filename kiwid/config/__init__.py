@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from kiwid.config.loader import (
     DEFAULT_PATH,
-    SHORT_TQ_S,
     ConfigError,
     LoadedConfig,
     check_config_main,
@@ -12,6 +11,7 @@ from kiwid.config.loader import (
     parse_config,
     service_limits,
 )
+from kiwid.config.reader import SHORT_TQ_S
 from kiwid.config.schema import (
     BACKENDS,
     LOG_LEVELS,

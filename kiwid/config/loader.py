@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from kiwid.config.reader import Reader, printable, show_value
 from kiwid.config.rules import (
     CONTROL_RULES,
     KUBERNETES_RULES,
@@ -28,8 +29,6 @@ from kiwid.config.rules import (
     SECTIONS,
     SIM_RULES,
     TENANT_RULES,
-    Rule,
-    has_kind,
     service_rules,
     type_name,
 )
@@ -53,15 +52,11 @@ from kiwid.linux.files import NotRegularFile, TooLarge, describe_mode, read_regu
 DEFAULT_PATH = Path("/etc/kiwi.toml")
 """Where ``kiwid check-config`` looks when given no path."""
 
-SHORT_TQ_S = 5.0
-"""A TQ at or below this many seconds draws a warning."""
-
 MAX_CONFIG_BYTES = 1 << 20
 """The largest configuration file read, in bytes (1 MiB). The shipped file, every
 key commented, is about 6 KiB; anything this large is the wrong file."""
 
 _GPU_KEY = re.compile(r"0|[1-9][0-9]*|(?:GPU|MIG)-\S+")
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _USEC = re.compile(r"[0-9]{1,18}")  # WATCHDOG_USEC as systemd writes it
 
 
@@ -92,129 +87,12 @@ class LoadedConfig:
     """The file read, or ``None`` for text that came from no file."""
 
 
-def _show(value: object) -> str:
-    """Write ``value`` roughly as TOML would, shortened to fit on a line."""
-    if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, str):
-        text = _printable(json.dumps(value, ensure_ascii=False), toml=True)
-    elif isinstance(value, list):
-        text = "[" + ", ".join(map(_show, value)) + "]"
-    elif isinstance(value, dict):
-        text = "{ " + ", ".join(f"{_key(k)} = {_show(v)}" for k, v in value.items()) + " }"
-    elif isinstance(value, int | float):
-        text = repr(value)
-    else:
-        text = str(value)  # TOML dates and times
-    return text if len(text) <= 60 else text[:59] + "…"
-
-
-def _key(key: str) -> str:
-    if _BARE_KEY.fullmatch(key):
-        return key
-    return _printable(json.dumps(key, ensure_ascii=False), toml=True)
-
-
-def _printable(text: str, *, toml: bool = False) -> str:
-    r"""Escape what cannot be shown on one line of a terminal or log.
-
-    Control and other unprintable characters become ``\uXXXX``; with
-    ``toml=False`` (file names) those below U+0100 become ``\xNN``, and so do
-    the bytes a file name had that were no UTF-8 (``os.fsdecode`` turns byte NN
-    into U+DCNN), so the name is shown as the bytes it is.
-    """
-    if text.isprintable():
-        return text
-    out = []
-    for char in text:
-        code = ord(char)
-        if char.isprintable():
-            out.append(char)
-        elif not toml and 0xDC80 <= code <= 0xDCFF:
-            out.append(f"\\x{code - 0xDC00:02x}")
-        elif not toml and code < 0x100:
-            out.append(f"\\x{code:02x}")
-        elif code <= 0xFFFF:
-            out.append(f"\\u{code:04x}")
-        else:
-            out.append(f"\\U{code:08x}")
-    return "".join(out)
-
-
-class _Reader:
-    """Walks a parsed document, collecting problems and warnings as it goes."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.problems: list[str] = []
-        self.warnings: list[str] = []
-        self.refused: set[str] = set()  # dotted keys whose value was refused
-
-    def problem(self, text: str) -> None:
-        self.problems.append(f"{self.label}: {text}")
-
-    def table(self, parent: Mapping[str, Any], name: str, dotted: str = "") -> dict[str, Any]:
-        """Return ``parent[name]`` if it is a table (or absent: ``{}``), else note why."""
-        value = parent.get(name, {})
-        if isinstance(value, dict):
-            return value
-        self.problem(f"{dotted or name} = {_show(value)}: must be a table, not {type_name(value)}")
-        return {}
-
-    def section(
-        self, doc: Mapping[str, Any], name: str, rules: Mapping[str, Rule]
-    ) -> dict[str, Any]:
-        """Check the top-level table ``name`` against ``rules``."""
-        return self.fields(self.table(doc, name), name, rules)
-
-    def fields(
-        self,
-        table: Mapping[str, Any],
-        prefix: str,
-        rules: Mapping[str, Rule],
-        subtables: Sequence[str] = (),
-    ) -> dict[str, Any]:
-        """Check every key of ``table``; return valid values keyed by dataclass field."""
-        values: dict[str, Any] = {}
-        for key, value in table.items():
-            dotted = f"{prefix}.{_key(key)}" if prefix else _key(key)
-            rule = rules.get(key)
-            if rule is None:
-                if key not in subtables:
-                    known = ", ".join([*rules, *subtables])
-                    self.problem(f"unknown key {dotted} (known keys: {known})")
-                continue
-            kind_ok = has_kind(value, rule.kind)
-            objection = rule.objects(value) if kind_ok else None
-            if objection is not None:
-                self.refused.add(dotted)
-                self.problem(f"{dotted} = {_show(value)}: {objection}")
-            elif kind_ok and rule.accepts(value):
-                stored = value
-                if rule.kind is float:
-                    stored = float(value)
-                elif rule.kind is list:
-                    stored = tuple(value)  # frozen settings stay hashable
-                values[rule.attr] = stored
-                if rule.attr == "tq" and value <= SHORT_TQ_S:
-                    self.warnings.append(
-                        f"{dotted} = {_show(value)}: a TQ of {SHORT_TQ_S:g} s or less is "
-                        "discouraged: each hand-over moves the tenant's GPU memory, so a "
-                        "short quantum is spent waiting for data"
-                    )
-            else:
-                got = "" if kind_ok else f", not {type_name(value)}"
-                self.refused.add(dotted)
-                self.problem(f"{dotted} = {_show(value)}: must be {rule.expects}{got}")
-        return values
-
-
-def _scheduler(reader: _Reader, doc: Mapping[str, Any]) -> SchedulerSettings:
+def _scheduler(reader: Reader, doc: Mapping[str, Any]) -> SchedulerSettings:
     table = reader.table(doc, "scheduler")
     values = reader.fields(table, "scheduler", SCHEDULER_RULES, ("gpu",))
     overrides: dict[str, GpuOverride] = {}
     for key in reader.table(table, "gpu", "scheduler.gpu"):
-        dotted = f"scheduler.gpu.{_printable(json.dumps(key, ensure_ascii=False), toml=True)}"
+        dotted = f"scheduler.gpu.{printable(json.dumps(key, ensure_ascii=False), toml=True)}"
         if not _GPU_KEY.fullmatch(key):
             reader.problem(
                 f'{dotted}: a GPU key must be a decimal index such as "0" '
@@ -226,12 +104,12 @@ def _scheduler(reader: _Reader, doc: Mapping[str, Any]) -> SchedulerSettings:
     return SchedulerSettings(gpu=GpuOverrides(overrides), **values)
 
 
-def _tenants(reader: _Reader, doc: Mapping[str, Any]) -> tuple[TenantRule, ...]:
+def _tenants(reader: Reader, doc: Mapping[str, Any]) -> tuple[TenantRule, ...]:
     """The ``[[tenants]]`` rules, in order; problems name the rule's index and key."""
     value = doc.get("tenants", [])
     if not isinstance(value, list):
         reader.problem(
-            f"tenants = {_show(value)}: must be an array of tables ([[tenants]] ...), "
+            f"tenants = {show_value(value)}: must be an array of tables ([[tenants]] ...), "
             f"not {type_name(value)}"
         )
         return ()
@@ -239,7 +117,9 @@ def _tenants(reader: _Reader, doc: Mapping[str, Any]) -> tuple[TenantRule, ...]:
     for index, entry in enumerate(value):
         dotted = f"tenants[{index}]"
         if not isinstance(entry, dict):
-            reader.problem(f"{dotted} = {_show(entry)}: must be a table, not {type_name(entry)}")
+            reader.problem(
+                f"{dotted} = {show_value(entry)}: must be a table, not {type_name(entry)}"
+            )
             continue
         fields = reader.fields(entry, dotted, TENANT_RULES, ("match",))
         if "match" not in entry:
@@ -276,7 +156,7 @@ def service_limits(environ: Mapping[str, str], pid: int | None = None) -> Servic
     return ServiceLimits(watchdog_s=int(usec) / 1e6, watchdog_source=f"WATCHDOG_USEC={usec}")
 
 
-def _build(reader: _Reader, doc: Mapping[str, Any], service: ServiceLimits) -> Settings:
+def _build(reader: Reader, doc: Mapping[str, Any], service: ServiceLimits) -> Settings:
     reader.fields(doc, "", {}, SECTIONS)  # only reports unknown top-level keys
     gpu_rules, daemon_rules = service_rules(service)
     scheduler = _scheduler(reader, doc)
@@ -297,7 +177,7 @@ def _build(reader: _Reader, doc: Mapping[str, Any], service: ServiceLimits) -> S
     return settings
 
 
-def _check_state_dir(reader: _Reader, settings: Settings) -> None:
+def _check_state_dir(reader: Reader, settings: Settings) -> None:
     """Check that the state directory can be one, and that the socket lies outside it.
 
     Values already refused are not looked at again; defaults are (a default
@@ -306,7 +186,7 @@ def _check_state_dir(reader: _Reader, settings: Settings) -> None:
     state_dir, socket = settings.daemon.state_dir, settings.control.socket
     if "daemon.state_dir" in reader.refused:
         return
-    shown = f"daemon.state_dir = {_show(state_dir)}"
+    shown = f"daemon.state_dir = {show_value(state_dir)}"
     why = _not_a_directory(state_dir)
     if why is not None:
         reader.problem(f"{shown}: {why}")
@@ -326,7 +206,7 @@ def _check_state_dir(reader: _Reader, settings: Settings) -> None:
         why = f"must not be a directory above {shown}"
     else:
         return
-    reader.problem(f"control.socket = {_show(socket)}: {why}")
+    reader.problem(f"control.socket = {show_value(socket)}: {why}")
 
 
 def _not_a_directory(path: str) -> str | None:
@@ -375,14 +255,14 @@ def parse_config(
         ConfigError: The text is not TOML, or has unknown keys or bad values; every
             problem found is listed.
     """
-    label = _printable(str(source))
+    label = printable(str(source))
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{label}: invalid TOML: {exc}"]) from exc
     except ValueError as exc:  # Python's limit on digits in int(), not a TOML error
         raise ConfigError([f"{label}: invalid TOML: an integer with too many digits"]) from exc
-    reader = _Reader(label)
+    reader = Reader(label)
     settings = _build(reader, doc, service_limits(os.environ) if service is None else service)
     if reader.problems:
         raise ConfigError(reader.problems)
@@ -406,7 +286,7 @@ def load_config(path: str | Path, *, service: ServiceLimits | None = None) -> Lo
             is not UTF-8 or not TOML, or has unknown keys or bad values.
     """
     path = Path(path)
-    label = _printable(str(path))
+    label = printable(str(path))
     try:
         data = read_regular(path, MAX_CONFIG_BYTES)
     except NotRegularFile as exc:
@@ -444,7 +324,7 @@ def check_config_main(argv: Sequence[str] | None = None) -> int:
         print(f"{usage}\n\nValidate a kiwid configuration file (default {DEFAULT_PATH}).")
         return 0
     if len(args) > 1 or any(a.startswith("-") for a in args):
-        shown = _printable(" ".join(args))
+        shown = printable(" ".join(args))
         print(f"{usage}\nerror: unexpected arguments: {shown}", file=sys.stderr)
         return 2
     path = Path(args[0]) if args else DEFAULT_PATH
@@ -453,7 +333,7 @@ def check_config_main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
-    label = _printable(str(path))
+    label = printable(str(path))
     for warning in loaded.warnings:
         print(f"warning: {label}: {warning}", file=sys.stderr)
     print(f"{label}: OK")

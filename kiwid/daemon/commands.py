@@ -17,7 +17,7 @@ from typing import Any
 from kiwid import __version__
 from kiwid.adapters.control import ControlError, EncodedResult, Peer, check_command_table
 from kiwid.adapters.sim import SimBackend
-from kiwid.config.loader import SHORT_TQ_S
+from kiwid.config.reader import SHORT_TQ_S
 from kiwid.core.model import GpuPolicy
 from kiwid.daemon.admission import MAX_PRIORITY, MAX_WEIGHT, Admission
 from kiwid.daemon.context import Context

@@ -1,190 +1,28 @@
-"""Prometheus metrics: the only importer of ``prometheus_client``.
-
-`Exposition` renders kiwid's status object (``docs/control-protocol.md``, the
-``status`` command) as Prometheus text at each scrape; `MetricsServer` serves it
-over HTTP on ``/metrics`` from a background thread. What a scrape shows is what
-the snapshot returned, so tenants disappear from the exposition when the daemon
-drops them from ``departed`` (which bounds label cardinality).
+"""The Prometheus text exposition (format 0.0.4) of kiwid's status object.
 
 The text is written directly, not through ``prometheus_client``'s metric objects:
 with 512 tenants (5,000 series) those cost tens of milliseconds of CPU a scrape.
 A tenant's lines are kept between scrapes while its labels and values stay the
 same (an idle tenant's never change), so a scrape formats only what moved.
-``prometheus_client`` still provides the ``process_*`` metrics.
-
-The snapshot callable runs on the HTTP server's threads, possibly several at
-once: it must be thread-safe and cheap, e.g. return a dict the daemon's loop
-rebuilt and swapped in whole (never one the loop is still mutating).
+``prometheus_client`` still provides the ``process_*`` metrics
+(`kiwid.adapters.metrics.server`). Standard library only.
 """
 
 from __future__ import annotations
 
-import ipaddress
-import logging
 import math
-import socket
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from socketserver import TCPServer, ThreadingMixIn
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.process_collector import ProcessCollector
-
-logger = logging.getLogger("kiwid.metrics")
-
-Snapshot = Callable[[], Mapping[str, Any]]
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-TENANT_LABELS = ("tenant", "name", "pod", "namespace", "gpu")
-# (metric name, ledger field, help text); the ledger's seconds and bytes are cumulative.
-_LEDGER_COUNTERS = (
-    ("kiwi_tenant_holding_seconds_total", "holding_s", "Seconds the tenant held the GPU."),
-    (
-        "kiwi_tenant_entitled_seconds_total",
-        "entitled_s",
-        "Seconds of GPU time the tenant was entitled to: its weight over the weights of "
-        "its class's bursting tenants, while its class was the highest bursting.",
-    ),
-    ("kiwi_tenant_waiting_seconds_total", "waiting_s", "Seconds the tenant waited (gated)."),
-    ("kiwi_tenant_corunning_seconds_total", "corunning_s", "Seconds run un-gated with others."),
-    ("kiwi_tenant_quanta_total", "quanta", "Quanta (exclusive turns) granted to the tenant."),
-    ("kiwi_tenant_early_releases_total", "early_releases", "Turns given back early (idle)."),
-    ("kiwi_tenant_swapped_out_bytes_total", "swapped_out_bytes", "GPU memory swapped out."),
-    ("kiwi_tenant_swapped_in_bytes_total", "swapped_in_bytes", "GPU memory swapped back in."),
-    ("kiwi_tenant_swap_seconds_total", "swap_s", "Seconds spent swapping GPU memory."),
-)
-PREEMPTIONS = "kiwi_tenant_preemptions_total"
-# The ledger's ``preempted`` counts every preemption, ``preempted_priority`` those
-# for a higher priority: the counter splits them by ``reason``.
-_LEDGER_FIELDS = (
-    *(field for _, field, _ in _LEDGER_COUNTERS),
-    "preempted",
-    "preempted_priority",
-)
-# Per tenant, after the counters: (name, help). The swap and gate ones are present
-# only for a tenant whose last gate or swap failed; weight and priority only for a
-# live tenant (from its resolved ``policy``).
-_TENANT_GAUGES = (
-    ("kiwi_tenant_footprint_bytes", "GPU memory the tenant uses (all its processes)."),
-    (
-        "kiwi_tenant_gate_failed",
-        "1 while the tenant's last freeze or lock failed (it runs on ungated); absent otherwise.",
-    ),
-    (
-        "kiwi_tenant_swap_refused",
-        "1 while the tenant's last swap was not done, by reason (host_floor: the host RAM "
-        "floor, other); absent otherwise.",
-    ),
-    ("kiwi_tenant_weight", "The tenant's weight: its quantum is TQ x weight."),
-    ("kiwi_tenant_priority", "The tenant's priority class (higher first)."),
-)
-# The tenant families in the order of the exposition (and of a tenant's lines).
-_TENANT_FAMILIES = (
-    *((name, "counter", text) for name, _, text in _LEDGER_COUNTERS),
-    (
-        PREEMPTIONS,
-        "counter",
-        "Turns taken from the tenant, by reason (quantum: its quantum ended while others "
-        "waited; priority: a tenant of a higher priority wanted the GPU).",
-    ),
-    *((name, "gauge", text) for name, text in _TENANT_GAUGES),
-)
-# Per GPU: (name, type, help, label names).
-_GPU_FAMILIES = (
-    ("kiwi_gpu_info", "gauge", "The GPU's UUID and model (always 1).", ("gpu", "uuid", "model")),
-    ("kiwi_gpu_queue_length", "gauge", "Tenants waiting for the GPU.", ("gpu",)),
-    (
-        "kiwi_gpu_holder_info",
-        "gauge",
-        "The tenant holding the GPU (1; absent when free).",
-        ("gpu", "tenant"),
-    ),
-    ("kiwi_gpu_tq_seconds", "gauge", "Time quantum in force.", ("gpu",)),
-    ("kiwi_gpu_mode_info", "gauge", "Scheduling mode in force (1).", ("gpu", "mode")),
-    ("kiwi_gpu_healthy", "gauge", "1 when the GPU answers, 0 when lost.", ("gpu",)),
-    ("kiwi_gpu_memory_total_bytes", "gauge", "The GPU's memory.", ("gpu",)),
-    (
-        "kiwi_gpu_memory_resident_bytes",
-        "gauge",
-        "GPU memory of the tenants whose memory is on the card.",
-        ("gpu",),
-    ),
-    (
-        "kiwi_waiter_wait_seconds",
-        "gauge",
-        "Seconds the waiting tenant has waited for this GPU so far.",
-        ("gpu", "tenant"),
-    ),
-    (
-        "kiwi_waiter_position",
-        "gauge",
-        "The waiting tenant's place in the GPU's queue (1: next).",
-        ("gpu", "tenant"),
-    ),
-    (
-        "kiwi_waiter_wait_bound_seconds",
-        "gauge",
-        "The bound on the waiting tenant's wait: (waiters ahead + 1) x TQ + the hand-over "
-        "allowance.",
-        ("gpu", "tenant"),
-    ),
-)
-HANDOVER = "kiwi_handover_duration_seconds"
-# Families whose series are NAME_bucket, NAME_sum and NAME_count.
-HISTOGRAM_FAMILIES = (HANDOVER,)
-# Every metric family kiwid exports besides prometheus_client's process_* ones: what
-# the shipped Prometheus rules and Grafana dashboard may query (a test checks them).
-METRIC_FAMILIES: tuple[str, ...] = (
-    *(family[0] for family in _TENANT_FAMILIES),
-    *(family[0] for family in _GPU_FAMILIES),
+from kiwid.adapters.metrics.families import (
+    _GPU_FAMILIES,
+    _LEDGER_COUNTERS,
+    _LEDGER_FIELDS,
+    _TENANT_FAMILIES,
     HANDOVER,
-    "kiwi_reloads_total",
-    "kiwi_config_last_reload_successful",
-    "kiwi_scheduling_enabled",
-    "kiwi_build_info",
+    PREEMPTIONS,
+    TENANT_LABELS,
 )
-
-
-class MetricsError(Exception):
-    """The metrics endpoint cannot start: a malformed address, or binding it failed."""
-
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    """Split a ``HOST:PORT`` listen address.
-
-    Args:
-        listen: ``127.0.0.1:9417``, ``0.0.0.0:9417``, ``[::1]:9417`` or ``[::]:9417``;
-            port 0 picks a free port.
-
-    Returns:
-        The IP address (without brackets) and the port.
-
-    Raises:
-        MetricsError: Not an IP address and a port in 0..65535; the message says why.
-    """
-    example = "e.g. 127.0.0.1:9417 or [::1]:9417"
-    host, sep, port_text = listen.rpartition(":")
-    if not sep or not host:
-        raise MetricsError(f"metrics listen address {listen!r} is not HOST:PORT ({example})")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        version = 6
-    else:
-        version = 4
-    try:
-        address = ipaddress.ip_address(host)
-        port = int(port_text, 10)
-    except ValueError:
-        raise MetricsError(
-            f"metrics listen address {listen!r} needs an IP address and a port ({example})"
-        ) from None
-    if address.version != version:
-        raise MetricsError(f"metrics listen address {listen!r}: write IPv6 addresses in brackets")
-    if not 0 <= port <= 65535:
-        raise MetricsError(f"metrics listen address {listen!r}: port must be in 0..65535")
-    return str(address), port
 
 
 def _escape(value: Any) -> str:
@@ -466,120 +304,3 @@ def _daemon_families(status: Mapping[str, Any]) -> list[str]:
         _header(name, kind, text) + "".join(f"{line}\n" for line in lines)
         for name, kind, text, lines in families
     ]
-
-
-def _process_metrics() -> Callable[[], bytes]:
-    """The ``process_*`` metrics: kiwid's own CPU, memory and file descriptors, as text."""
-    registry = CollectorRegistry(auto_describe=False)
-    ProcessCollector(registry=registry)
-    return lambda: generate_latest(registry)
-
-
-class _QuietHandler(WSGIRequestHandler):
-    timeout = 10  # seconds a client may take to send its request
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("metrics %s: " + format, self.client_address[0], *args)
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a hung scraper must not hold stop() up
-
-    def server_bind(self) -> None:
-        # WSGIServer would look the host up in DNS (getfqdn); an address is enough.
-        TCPServer.server_bind(self)
-        host, port = self.server_address[:2]
-        self.server_name, self.server_port = str(host), int(port)
-        self.setup_environ()
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
-class MetricsServer:
-    """``/metrics`` over HTTP on a background thread.
-
-    Args:
-        listen: ``HOST:PORT`` (see `parse_listen`); port 0 picks a free one.
-        snapshot: Returns the status object; called on the server's threads, so
-            it must be thread-safe.
-        process: Also export the ``process_*`` metrics of this process.
-
-    Raises:
-        MetricsError: ``listen`` is malformed.
-    """
-
-    def __init__(self, listen: str, snapshot: Snapshot, process: bool = True) -> None:
-        self.listen = listen
-        self.host, self._port = parse_listen(listen)
-        self._snapshot = snapshot
-        self._exposition = Exposition()
-        self._process = _process_metrics() if process else None
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-
-    def body(self) -> bytes:
-        """What a scrape answers: kiwi_* from one snapshot, then ``process_*``."""
-        text = self._exposition.render(self._snapshot()).encode()
-        return text + self._process() if self._process else text
-
-    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        """The WSGI application: ``/metrics`` (GET or HEAD); anything else is 404."""
-        path = environ.get("PATH_INFO") or "/"
-        if path != "/metrics":
-            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-            return [b"kiwid serves its metrics on /metrics\n"]
-        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
-            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
-            return [b""]
-        body = self.body()
-        start_response(
-            "200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))]
-        )
-        return [b"" if environ["REQUEST_METHOD"] == "HEAD" else body]
-
-    @property
-    def port(self) -> int:
-        """The port in use (the one picked when ``listen`` said 0) once started."""
-        return self._server.server_port if self._server else self._port
-
-    def start(self) -> None:
-        """Bind and serve on a daemon thread named ``kiwid-metrics``.
-
-        Raises:
-            MetricsError: The address cannot be bound (in use, not local, no
-                permission); the message names it.
-        """
-        if self._server is not None:
-            return
-        cls = _Server6 if ":" in self.host else _Server
-        try:
-            server = make_server(self.host, self._port, self._app, cls, _QuietHandler)
-        except OSError as exc:
-            raise MetricsError(
-                f"cannot serve metrics on {self.listen}: {exc.strerror or exc}"
-            ) from exc
-        assert isinstance(server, _Server)  # make_server built our class
-        self._server = server
-        self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="kiwid-metrics"
-        )
-        self._thread.daemon = True
-        self._thread.start()
-        logger.info("Serving Prometheus metrics on http://%s/metrics", self._url_host())
-
-    def _url_host(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-    def stop(self) -> None:
-        """Stop serving, close the socket and join the thread (idempotent)."""
-        server, thread = self._server, self._thread
-        if server is None:
-            return
-        server.shutdown()  # returns once serve_forever has left its loop
-        server.server_close()
-        if thread is not None:
-            thread.join(5)
-        self._server = self._thread = None

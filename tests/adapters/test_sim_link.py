@@ -29,7 +29,7 @@ def test_transfers_one_way_share_its_rate() -> None:
     link = Link({"out": 2 * GB, "in": 5 * GB})
     a = link.start(0, "out", int(10 * GB), now=0.0)
     b = link.start(0, "out", int(10 * GB), now=0.0)
-    assert link.finish_at(a) == pytest.approx(10.0)  # each at 1 GB/s
+    assert link.finish_at(a) == link.finish_at(b) == pytest.approx(10.0)  # each at 1 GB/s
     # Halfway, a third joins: 5 GB left each, now at 2/3 GB/s.
     link.advance(5.0)
     c = link.start(0, "out", int(1 * GB), now=5.0)
@@ -70,4 +70,4 @@ def test_transfer_blocks_until_the_model_says_and_frees_the_link() -> None:
     now[0] = 0.002  # past 1000 bytes at 1 MB/s
     thread.join(5)
     assert finished.is_set()
-    assert link._active == {}  # noqa: SLF001
+    assert link._active == {}

@@ -45,6 +45,7 @@ def test_weights_one_two_three_share_the_gpu_one_two_three(start_kiwid, tenants,
     time.sleep(60)  # the run whose CPU shares are measured: 10 rotations of 6 s
     used = [t.cpu_ticks() - b for t, b in zip(ts, before, strict=True)]
     shares = [u / sum(used) for u in used]
+    print("CPU shares over 60 s, weights 1:2:3:", ", ".join(f"{x:.1%}" for x in shares))
     for share, want in zip(shares, (1 / 6, 2 / 6, 3 / 6), strict=True):
         assert abs(share - want) <= 0.03, shares
     on_gpu = {t["id"]: t for t in k.status()["gpus"][0]["tenants"]}

@@ -114,3 +114,14 @@ def test_summary_says_what_was_missed_or_missing():
     rows = {r[0]: r for r in frontier.summary_rows(None, None, None)}
     assert rows["steady useful GPU time"][2] == "run 1 has no figures"
     assert rows["known workload's first turn"][2] == "no known first turn in run 2"
+
+
+def test_the_exit_code_follows_the_targets():
+    ok = [("steady useful GPU time", ">= 90 %", "93%", "ok"), ("lanes", "-", "x", "-")]
+    assert frontier.exit_code(ok, {"run 1": 0, "run 2": 1, "lanes": 0}) == 0
+    missed = [*ok, ("known workload's first turn", "<= 15 s", "20 s", "MISSED")]
+    assert frontier.exit_code(missed, {"run 1": 0}) == 1
+    unmeasured = [*ok, ("steady hand-over p50", "<= 3 s", "no grant", "-")]
+    assert frontier.exit_code(unmeasured, {"run 1": 0}) == 1
+    assert frontier.exit_code(ok, {"run 1": 0, "run 2": None}) == 1  # cut off
+    assert frontier.exit_code(ok, {"run 1": 137}) == 1

@@ -73,11 +73,20 @@ def workload_of(identity: Identity, pids: Iterable[int]) -> str | None:
     first = min(pids, default=None)
     if first is None:
         return None
-    args = proc.command_line(first)
-    exe = proc.executable(first)
-    if args is None and exe is None:
+    return program_name(proc.command_line(first), proc.executable(first))
+
+
+def program_name(args: tuple[str, ...] | None, exe: str | None) -> str | None:
+    """A bare process's workload: its program and arguments (``None``: not knowable now).
+
+    No arguments means the process is in the middle of an ``execve`` (the kernel
+    installs the new program before its arguments) or has wiped them: naming it by
+    the program alone would put every ``python3 …`` job under one name and size
+    each from another's run, so it stays unnamed until its arguments can be read.
+    """
+    if args is None:
         return None
-    return "exe " + shlex.join([exe or (args or ("?",))[0], *(args or ())[1:]])
+    return "exe " + shlex.join([exe or args[0], *args[1:]])
 
 
 @dataclass
@@ -134,8 +143,9 @@ class WorkloadBook:
             for tenant, info in tenants.items():
                 if self._identity.get(tenant) == info.identity:
                     continue
-                self._identity[tenant] = info.identity
                 workload = workload_of(info.identity, info.pids)
+                if workload is not None:
+                    self._identity[tenant] = info.identity  # else: try again next time
                 if tenant in self._of and workload in (None, self._of[tenant]):
                     continue  # named already, and nothing better now
                 self._of[tenant] = workload

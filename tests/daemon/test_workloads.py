@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -14,7 +15,13 @@ import pytest
 from kiwid.core.events import FootprintRemembered, TenantUnswappable
 from kiwid.daemon import checkpointable
 from kiwid.daemon.tenants import Identity, TenantInfo
-from kiwid.daemon.workloads import MAX_WORKLOADS, WorkloadBook, pod_owner, workload_of
+from kiwid.daemon.workloads import (
+    MAX_WORKLOADS,
+    WorkloadBook,
+    pod_owner,
+    program_name,
+    workload_of,
+)
 
 GiB = 2**30
 CID = "4f1c" * 16
@@ -53,18 +60,53 @@ def test_workloads_are_named_most_stable_first() -> None:
 
 
 def test_a_bare_process_is_named_by_its_program_and_arguments() -> None:
-    code = "import sys; sys.stdin.read()"
+    code = "print('ready', flush=True); import sys; sys.stdin.read()"
     with subprocess.Popen(
-        [sys.executable, "-c", code, "--epochs", "3"], stdin=subprocess.PIPE
+        [sys.executable, "-c", code, "--epochs", "3"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     ) as p:
         try:
+            # Popen returns once the child's execve has begun, before the kernel
+            # has laid out its arguments: ask once it runs.
+            assert p.stdout is not None and p.stdout.readline() == b"ready\n"
             ident = Identity(f"pid:{p.pid}", "process", f"pid {p.pid}")
             name = workload_of(ident, {p.pid, p.pid + 100000})
         finally:
             p.kill()
     exe = str(Path(sys.executable).resolve())
-    assert name == f"exe {exe} -c '{code}' --epochs 3"
+    assert name == f"exe {exe} -c {shlex.quote(code)} --epochs 3"
     assert workload_of(Identity("pid:1", "process", "pid 1"), set()) is None
+
+
+def test_a_process_without_arguments_yet_is_not_named_by_its_program_alone() -> None:
+    # What /proc shows for a process in the middle of its execve: the new program,
+    # no arguments yet. Named "exe python3" it would share one footprint with every
+    # other python3 job.
+    assert program_name(None, "/usr/bin/python3.11") is None
+    assert program_name(("python3", "-c", "pass"), None) == "exe python3 -c pass"
+    assert program_name(("x", "a b"), "/opt/x") == "exe /opt/x 'a b'"
+
+
+def test_a_tenant_unnamed_at_first_is_named_once_it_can_be(tmp_path: Path) -> None:
+    book = WorkloadBook(tmp_path)
+    ident = Identity("pid:7", "process", "pid 7")
+    early = {"pid:7": TenantInfo(ident, pids=set())}  # its processes not seen yet
+    assert book.events(early) == []
+    assert book.workload("pid:7") is None
+    with subprocess.Popen(
+        [sys.executable, "-c", "print('ready', flush=True); input()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    ) as p:
+        try:
+            assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+            book.events({"pid:7": TenantInfo(ident, pids={p.pid})})  # same identity
+        finally:
+            p.kill()
+    assert book.workload("pid:7") == f"exe {Path(sys.executable).resolve()} -c " + shlex.quote(
+        "print('ready', flush=True); input()"
+    )
 
 
 def info(key: str, peak: int, pids: set[int]) -> TenantInfo:

@@ -53,7 +53,9 @@ def _busy_pct(seconds: float = 1.0) -> float:
         fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         return sum(fields[:8]), fields[3] + fields[4]  # total, idle + iowait
 
-    (total0, idle0), _, (total1, idle1) = sample(), time.sleep(seconds), sample()
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
     return 100 * (1 - (idle1 - idle0) / max(total1 - total0, 1))
 
 

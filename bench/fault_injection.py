@@ -367,6 +367,23 @@ def run(
     return counts, r.problems, r.kept_swapped
 
 
+def sweep_leftovers() -> None:
+    """Thaw and remove the cgroups of an earlier run that was killed outright.
+
+    A SIGKILL leaves no chance to clean up: its tenants die, their cgroups stay
+    frozen. A run with any process left in its cgroups is left alone.
+    """
+    for parent in V2.glob("kiwi-fi-*"):
+        groups = [c for c in parent.iterdir() if (c / "cgroup.procs").is_file()]
+        with contextlib.suppress(OSError):
+            if any((g / "cgroup.procs").read_text().strip() for g in [*groups, parent]):
+                continue  # alive, or someone else's: not ours to touch
+            for group in [*groups, parent]:
+                (group / "cgroup.freeze").write_text("0")
+                group.rmdir()
+            print(f"removed {parent}, left frozen by a run that was killed")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--faults", type=int, default=120, help="faults in all (default 120)")
@@ -375,6 +392,10 @@ def main() -> None:
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("fault_injection.py needs root (it freezes cgroups)")
+    # SIGTERM and SIGHUP unwind like Ctrl-C, so each run's cleanup thaws its tenants.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+    sweep_leftovers()
     print(machine())
     modes = ["none", "checkpoint"] if args.swap == "both" else [args.swap]
     total = 0

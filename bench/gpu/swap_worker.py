@@ -269,6 +269,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         default=env.get("KIWI_BENCH_PARENT", 0),
         help="PID of the bench ($KIWI_BENCH_PARENT)",
     )
+    # What every rotated tenant takes, the swap pattern and the trainer alike.
+    parser.add_argument("--gap-ms", type=float, default=1000.0, help="an iteration this slow")
+    parser.add_argument("--gib", type=float, default=47.5, help="GPU ballast, GiB")
+    parser.add_argument("--every-ms", type=float, default=500.0, help="progress line period")
+    parser.add_argument("--alloc-timeout", type=float, default=120.0, help="OOM retries, s")
+    parser.add_argument("--dry-mib", type=float, default=8.0, help="dry run: host ballast MiB")
 
 
 def parse_bench_args(parser: argparse.ArgumentParser, *, need_go: bool = True) -> Any:
@@ -284,13 +290,8 @@ def parse_bench_args(parser: argparse.ArgumentParser, *, need_go: bool = True) -
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     add_bench_args(parser)
-    parser.add_argument("--gap-ms", type=float, default=1000.0, help="an iteration this slow")
-    parser.add_argument("--gib", type=float, default=47.5, help="GPU ballast, GiB")
     parser.add_argument("--seed", type=int, default=0, help="pattern seed (one per tenant)")
     parser.add_argument("--n", type=int, default=8192, help="matrix size (n x n, bf16)")
-    parser.add_argument("--every-ms", type=float, default=500.0, help="progress line period")
-    parser.add_argument("--alloc-timeout", type=float, default=120.0, help="OOM retries, s")
-    parser.add_argument("--dry-mib", type=float, default=8.0, help="dry run: host ballast MiB")
     parser.add_argument("--dry-run", action="store_true", help="host memory and CPU, no torch")
     parser.add_argument(
         "--device", default="cuda", help="torch device (cpu: tries this code on a CPU torch)"

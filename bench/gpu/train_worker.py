@@ -189,14 +189,9 @@ def main() -> int:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)  # before CUDA starts
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     add_bench_args(parser)
-    parser.add_argument("--gap-ms", type=float, default=1000.0, help="an iteration this slow")
-    parser.add_argument("--gib", type=float, default=47.5, help="GPU ballast, GiB")
     parser.add_argument("--seed", type=int, default=0, help="ballast pattern seed")
     parser.add_argument("--train-seed", type=int, default=1234, help="weights and data seed")
     parser.add_argument("--cycle", type=int, default=200, help="steps, then start again")
-    parser.add_argument("--every-ms", type=float, default=500.0, help="progress line period")
-    parser.add_argument("--alloc-timeout", type=float, default=120.0, help="OOM retries, s")
-    parser.add_argument("--dry-mib", type=float, default=8.0, help="dry run: host ballast MiB")
     parser.add_argument("--dry-run", action="store_true", help="the pure-Python fallback")
     parser.add_argument("--device", default="cuda", help="torch device (cpu: to try the code)")
     reference = os.environ.get("KIWI_BENCH_REFERENCE") == "1"

@@ -303,3 +303,61 @@ def _arriving(table: TenantTable, nxt: TenantRecord, gating: frozenset[GpuId]) -
 
 def _may_return(table: TenantTable, t: TenantRecord) -> bool:
     return t.known and t.retry_at <= table.now and t.adopting_until <= table.now
+
+
+# ---------------------------------------------------------------- steps 6 and 7 of a pass
+
+
+def prefetch_next(
+    table: TenantTable,
+    among: list[TenantRecord],
+    gating: frozenset[GpuId],
+    wanted: dict[GpuId, tuple[float, int]],
+    actions: list[Action],
+) -> None:
+    """6. Prefetch: the next in line comes back from host RAM before its turn."""
+    queue = table.queue(gating, among)
+    for t in among:
+        plan = prefetch_plan(table, t, gating, queue, wanted)
+        if plan is not None and table.now >= plan[1]:
+            nxt = plan[0]
+            nxt.residency = move(nxt.residency, Move.PREFETCH)
+            nxt.waiting_for = None
+            actions.append(SwapIn(nxt.id))
+
+
+def checkpoint_waiters(
+    table: TenantTable,
+    among: list[TenantRecord],
+    gating: frozenset[GpuId],
+    actions: list[Action],
+) -> None:
+    """7. ``checkpoint``: the other waiters' memory goes to host RAM.
+
+    After the new holders were let go: they fit beside it, so they need not wait.
+    """
+    for t in among:
+        if (
+            t.state is S.WAITING
+            and t.gated
+            and t.residency is R.RESIDENT
+            and t.movable
+            and any(table.policies[g].swap is SwapMode.CHECKPOINT for g in t.gpus & gating)
+        ):
+            swap_out(table, t, actions)
+
+
+def prefetch_plan(
+    table: TenantTable,
+    holder: TenantRecord,
+    gating: frozenset[GpuId],
+    queue: list[TenantRecord],
+    wanted: dict[GpuId, tuple[float, int]],
+) -> tuple[TenantRecord, float] | None:
+    """Whom to bring back before ``holder`` yields, and when (see :func:`prefetch`)."""
+    if holder.state is not S.HOLDER or holder.gated:
+        return None
+    due = table.preempt_at(holder, gating, wanted)
+    if due is None:
+        return None
+    return prefetch(table, holder, gating, queue, due[0])

@@ -17,12 +17,12 @@ from kiwid.adapters.notify import Notifier
 from kiwid.config import Settings
 from kiwid.core.events import GpusConfigured
 from kiwid.core.model import GpuPolicy
-from kiwid.daemon import policy
-from kiwid.daemon.engine import Engine
-from kiwid.daemon.executor import Lanes
-from kiwid.daemon.state import StateFile
-from kiwid.daemon.tenant_policy import PolicyBook
-from kiwid.daemon.workloads import WorkloadBook
+from kiwid.daemon import gpu_policy
+from kiwid.daemon.engine.engine import Engine
+from kiwid.daemon.engine.executor import Lanes
+from kiwid.daemon.gating.state import StateFile
+from kiwid.daemon.tenants.policy import PolicyBook
+from kiwid.daemon.tenants.workloads import WorkloadBook
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Context:
     """GPUs (by index) that were lost: not managed until they answer again."""
     read_failures: dict[str, str] = field(default_factory=dict)
     """GPUs that could not be read at the last poll (a passing fault), and why."""
-    overrides: policy.RuntimeOverrides = field(default_factory=policy.RuntimeOverrides)
+    overrides: gpu_policy.RuntimeOverrides = field(default_factory=gpu_policy.RuntimeOverrides)
     reload: ReloadRecord = field(default_factory=ReloadRecord)
     tenant_policies: PolicyBook = field(default_factory=PolicyBook)
     """Each tenant's weight, priority, TQ and swap policy, and where they came from."""
@@ -75,11 +75,11 @@ class Context:
     def policies(self) -> dict[str, GpuPolicy]:
         """The policy in force on every healthy GPU."""
         healthy = [d for d in self.devices if str(d.index) not in self.unhealthy]
-        return policy.policies(self.settings, self.overrides, healthy, can_swap=self.can_swap)
+        return gpu_policy.policies(self.settings, self.overrides, healthy, can_swap=self.can_swap)
 
     def configured(self) -> GpusConfigured:
         """The event that tells the scheduler the GPUs and settings in force."""
-        return GpusConfigured(self.policies(), self.settings.memory.host_floor_mib * policy.MIB)
+        return GpusConfigured(self.policies(), self.settings.memory.host_floor_mib * gpu_policy.MIB)
 
     def lanes(self) -> Lanes:
         """How many swaps may run at once on one GPU, by the settings in force."""

@@ -15,22 +15,35 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kiwid import __version__
 from kiwid.adapters import cudalock
 from kiwid.adapters.cgroups import CgroupError, CgroupLayout
 from kiwid.adapters.gpu import DriverUnavailable, GpuBackend
+from kiwid.adapters.notify import Notifier
 from kiwid.adapters.sim import SimBackend  # stdlib only; the runner imports it anyway
-from kiwid.config import ConfigError, Settings, check_config_main, load_config
-from kiwid.daemon import recovery
-from kiwid.daemon.gates import CudaLockGate, FreezeGate, NullGate, TenantGate
-from kiwid.daemon.identify import identify
+from kiwid.config import ConfigError, LoadedConfig, Settings, check_config_main, load_config
+from kiwid.core.scheduler import Scheduler
+from kiwid.daemon import gpu_policy
+from kiwid.daemon.context import Context
+from kiwid.daemon.control.admission import Admission
+from kiwid.daemon.control.commands import Commands
+from kiwid.daemon.control.status import StatusCache
+from kiwid.daemon.engine.effects import Effects, SwapGuards
+from kiwid.daemon.engine.engine import Engine
+from kiwid.daemon.engine.executor import Lanes
+from kiwid.daemon.gating import checkpointable, recovery
+from kiwid.daemon.gating.gates import CudaLockGate, FreezeGate, NullGate, TenantGate
+from kiwid.daemon.gating.state import StateError, StateFile, StateLocked
+from kiwid.daemon.gating.swap import CheckpointSwapper, SimSwapper, Swapper
 from kiwid.daemon.logs import setup_logging
 from kiwid.daemon.server import STARTUP_FAILURE, Daemon
-from kiwid.daemon.state import StateError, StateFile, StateLocked
-from kiwid.daemon.swap import CheckpointSwapper, SimSwapper, Swapper
+from kiwid.daemon.tenants.identify import identify
+from kiwid.daemon.tenants.tracker import Identity, TenantTracker
+from kiwid.daemon.tenants.workloads import WorkloadBook
 
 log = logging.getLogger("kiwid")
 DEFAULT_CONFIG = Path("/etc/kiwi.toml")
@@ -123,6 +136,61 @@ def make_swapper(settings: Settings, backend: GpuBackend, gate: TenantGate) -> S
     return None
 
 
+def assemble(
+    config_path: Path,
+    loaded: LoadedConfig,
+    *,
+    backend: GpuBackend,
+    gate: TenantGate,
+    identify: Callable[[int], Identity | None],
+    notifier: Notifier | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    swapper: Swapper | None = None,
+    lanes: Lanes | None = None,
+) -> Daemon:
+    """Wire the daemon's parts; :meth:`Daemon.run` starts them.
+
+    The state file, the engine (scheduler, tenant tracker, effects), the shared
+    context, the status cache, admission and the control commands.
+    """
+    settings = loaded.settings
+    state = StateFile(settings.daemon.state_dir)
+    workloads = WorkloadBook(settings.daemon.state_dir)
+    engine = Engine(
+        Scheduler(),
+        TenantTracker(identify),
+        Effects(gate, state, swapper, clock),
+        clock,
+        lanes=lanes,
+    )
+    ctx = Context(
+        config_path=config_path,
+        settings=settings,
+        running=settings,
+        backend=backend,
+        engine=engine,
+        state=state,
+        workloads=workloads,
+        notifier=notifier or Notifier(),
+        clock=clock,
+        can_swap=swapper is not None,
+        started=clock(),
+    )
+    ctx.tenant_policies.reload(settings.tenants)
+    engine.executor.lanes = lanes or ctx.lanes()
+    engine.effects.guards = SwapGuards(
+        free_bytes=ctx.free_bytes,
+        reserve_bytes=lambda: ctx.settings.memory.reserve_mib * gpu_policy.MIB,
+        unswappable=checkpointable.why_not,
+        checkpoint_failed=workloads.checkpoint_failed,
+    )
+    for warning in loaded.warnings:
+        log.warning("%s: %s", config_path, warning)
+    status = StatusCache(ctx)
+    admission = Admission(ctx)
+    return Daemon(ctx, status, admission, Commands(ctx, status, admission))
+
+
 def run(argv: Sequence[str]) -> int:
     """``kiwid [--config PATH]``."""
     parser = argparse.ArgumentParser(
@@ -149,7 +217,7 @@ def run(argv: Sequence[str]) -> int:
         log.error("Cannot start: %s", err)
         return STARTUP_FAILURE
     gate = make_gate(loaded.settings)
-    daemon = Daemon(
+    daemon = assemble(
         args.config,
         loaded,
         backend=backend,

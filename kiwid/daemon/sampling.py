@@ -23,8 +23,8 @@ from kiwid.core.events import (
     TenantDetached,
 )
 from kiwid.daemon.context import Context
-from kiwid.daemon.state import GatedRecord
-from kiwid.daemon.tenants import GpuSample, Hidden
+from kiwid.daemon.gating.state import GatedRecord
+from kiwid.daemon.tenants.tracker import GpuSample, Hidden
 
 log = logging.getLogger("kiwid")
 _ARRIVALS = (TenantAttached, TenantDetached, GpusConfigured)

@@ -4,8 +4,8 @@ One asyncio loop: it wakes for the next poll, the scheduler's next deadline,
 the systemd watchdog, a signal, a config-file change or a control command,
 whichever comes first, and never waits on a gate or a swap (the engine runs
 those on threads). Signal handlers only record (STYLE habit 7); reloads from
-SIGHUP and from the file watcher run one transaction (:mod:`kiwid.daemon.reload`);
-the meaning of each control command lives in :mod:`kiwid.daemon.commands`.
+SIGHUP and from the file watcher run one transaction (:mod:`kiwid.daemon.control.reload`);
+the meaning of each control command lives in :mod:`kiwid.daemon.control.commands`.
 """
 
 from __future__ import annotations
@@ -17,35 +17,25 @@ import logging
 import math
 import signal
 import threading
-import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from kiwid import __version__
 from kiwid.adapters.control import ControlServer, SocketInUse
-from kiwid.adapters.gpu import GpuBackend, GpuBackendError
+from kiwid.adapters.gpu import GpuBackendError
 from kiwid.adapters.metrics import MetricsError, MetricsServer
-from kiwid.adapters.notify import Notifier
 from kiwid.adapters.watch import ConfigWatcher, WatchError
-from kiwid.config import LoadedConfig
-from kiwid.core.scheduler import Scheduler
-from kiwid.daemon import checkpointable, policy, recovery, reload
-from kiwid.daemon.admission import Admission
+from kiwid.daemon import adoption
 from kiwid.daemon.cdi_spec import write_cdi_spec
-from kiwid.daemon.commands import Commands
 from kiwid.daemon.context import Context
-from kiwid.daemon.effects import Effects, SwapGuards
-from kiwid.daemon.engine import Engine, ThreadRunner
-from kiwid.daemon.executor import Lanes
-from kiwid.daemon.gates import TenantGate
+from kiwid.daemon.control import reload
+from kiwid.daemon.control.admission import Admission
+from kiwid.daemon.control.commands import Commands
+from kiwid.daemon.control.status import StatusCache, summary_line
+from kiwid.daemon.engine.engine import Engine, ThreadRunner
+from kiwid.daemon.gating import recovery
+from kiwid.daemon.gating.state import StateError
 from kiwid.daemon.logs import seconds
 from kiwid.daemon.sampling import poll
-from kiwid.daemon.state import StateError, StateFile
-from kiwid.daemon.status import StatusCache, summary_line
-from kiwid.daemon.swap import Swapper
-from kiwid.daemon.tenants import Identity, TenantTracker
-from kiwid.daemon.workloads import WorkloadBook
 
 log = logging.getLogger("kiwid")
 
@@ -61,52 +51,13 @@ class Daemon:
     """The running daemon: start-up, the main loop, shutdown; nothing else."""
 
     def __init__(
-        self,
-        config_path: Path,
-        loaded: LoadedConfig,
-        *,
-        backend: GpuBackend,
-        gate: TenantGate,
-        identify: Callable[[int], Identity | None],
-        notifier: Notifier | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        swapper: Swapper | None = None,
-        lanes: Lanes | None = None,
+        self, ctx: Context, status: StatusCache, admission: Admission, commands: Commands
     ) -> None:
-        """Wire the parts; :meth:`run` starts them."""
-        settings = loaded.settings
-        state = StateFile(settings.daemon.state_dir)
-        engine = Engine(
-            Scheduler(),
-            TenantTracker(identify),
-            Effects(gate, state, swapper, clock),
-            clock,
-            lanes=lanes,
-        )
-        self.ctx = Context(
-            config_path=config_path,
-            settings=settings,
-            running=settings,
-            backend=backend,
-            engine=engine,
-            state=state,
-            workloads=WorkloadBook(settings.daemon.state_dir),
-            notifier=notifier or Notifier(),
-            clock=clock,
-            can_swap=swapper is not None,
-            started=clock(),
-        )
-        self.ctx.tenant_policies.reload(settings.tenants)
-        engine.executor.lanes = lanes or self.ctx.lanes()
-        engine.effects.guards = SwapGuards(
-            free_bytes=self.ctx.free_bytes,
-            reserve_bytes=self._reserve_bytes,
-            unswappable=checkpointable.why_not,
-            checkpoint_failed=self.ctx.workloads.checkpoint_failed,
-        )
-        self.status = StatusCache(self.ctx)
-        self.admission = Admission(self.ctx, lambda: self.should_exit)
-        self.commands = Commands(self.ctx, self.status, self.admission)
+        """Run the parts :func:`kiwid.daemon.main.assemble` wired; :meth:`run` starts them."""
+        self.ctx = ctx
+        self.status = status
+        self.admission = admission
+        self.commands = commands
         self.should_exit = False
         self.force_exit = False
         self._reasons: list[str] = []
@@ -116,11 +67,6 @@ class Daemon:
         self._watcher: ConfigWatcher | None = None
         self._metrics: MetricsServer | None = None
         self._runner: ThreadRunner | None = None
-        for warning in loaded.warnings:
-            log.warning("%s: %s", config_path, warning)
-
-    def _reserve_bytes(self) -> int:
-        return self.ctx.settings.memory.reserve_mib * policy.MIB
 
     @property
     def engine(self) -> Engine:
@@ -210,7 +156,7 @@ class Daemon:
             raise StartupError(f"daemon.state_dir: {err}") from err
         self._runner = ThreadRunner(self.engine, loop)
         self.engine.runner = self._runner
-        recovery.readopt(ctx, poll)
+        adoption.readopt(ctx, poll)
         write_cdi_spec(ctx)
         gid = _group_id(ctx.running.control.admin_group)
         self._server = ControlServer(

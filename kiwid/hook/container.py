@@ -27,7 +27,7 @@ DEVICE_IDS_ENV = "KIWI_DEVICE_IDS"
 WEIGHT_ANNOTATION = "kiwi.io/weight"
 PRIORITY_ANNOTATION = "kiwi.io/priority"
 # The range kiwid takes: a weight as a [[tenants]] rule may set it (kiwid.config.rules),
-# a priority as register accepts it (kiwid.daemon.admission.MAX_PRIORITY; the hook does
+# a priority as register accepts it (kiwid.daemon.control.admission.MAX_PRIORITY; the hook does
 # not import the daemon, tests/hook checks that the two agree).
 MIN_WEIGHT = 0.01
 MAX_WEIGHT = 1000.0

@@ -49,12 +49,12 @@ from kiwid.core.model import (
 )
 from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler
-from kiwid.daemon.effects import Effects
-from kiwid.daemon.engine import Engine
-from kiwid.daemon.executor import Job, Kind, Lanes
-from kiwid.daemon.gates import NullGate
-from kiwid.daemon.state import StateFile
-from kiwid.daemon.tenants import Identity, TenantInfo, TenantTracker
+from kiwid.daemon.engine.effects import Effects
+from kiwid.daemon.engine.engine import Engine
+from kiwid.daemon.engine.executor import Job, Kind, Lanes
+from kiwid.daemon.gating.gates import NullGate
+from kiwid.daemon.gating.state import StateFile
+from kiwid.daemon.tenants.tracker import Identity, TenantInfo, TenantTracker
 from tests.helpers import steps as clock_steps
 
 GiB = 2**30

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kiwid.core.events import SwapIn, SwapOut
-from kiwid.daemon.executor import Executor, Kind, Lanes
+from kiwid.daemon.engine.executor import Executor, Kind, Lanes
 
 GPU0 = frozenset({"0"})
 

@@ -15,8 +15,8 @@ import pytest
 
 from kiwid.adapters.podresources import ContainerRef, PodResourcesError
 from kiwid.config.schema import KubernetesSettings
-from kiwid.daemon.pods import GIVE_UP_S, PodNames
-from kiwid.daemon.tenants import Identity, Registration, TenantTracker
+from kiwid.daemon.tenants.pods import GIVE_UP_S, PodNames
+from kiwid.daemon.tenants.tracker import Identity, Registration, TenantTracker
 
 SETTINGS = KubernetesSettings(pod_resources_socket="/run/fake-kubelet.sock")
 OLD = ContainerRef("ml", "finished", "train")

@@ -79,6 +79,6 @@ def test_bad_registrations_are_refused_and_change_nothing(
 
 def test_the_daemon_handles_exactly_the_protocols_commands() -> None:
     from kiwid.adapters.control import COMMANDS  # noqa: PLC0415
-    from kiwid.daemon.commands import HANDLERS  # noqa: PLC0415
+    from kiwid.daemon.control.commands import HANDLERS  # noqa: PLC0415
 
     assert set(HANDLERS) == set(COMMANDS)

@@ -24,10 +24,11 @@ from kiwid.adapters.control import request
 from kiwid.adapters.sim import SimBackend
 from kiwid.config import load_config
 from kiwid.core.clock import FakeClock
-from kiwid.daemon.identify import identify
+from kiwid.daemon.gating.state import GatedRecord, StateFile
+from kiwid.daemon.main import assemble
 from kiwid.daemon.server import RUNTIME_FAILURE, Daemon
-from kiwid.daemon.state import GatedRecord, StateFile
-from kiwid.daemon.tenants import TenantInfo
+from kiwid.daemon.tenants.identify import identify
+from kiwid.daemon.tenants.tracker import TenantInfo
 
 GiB = 2**30
 
@@ -144,7 +145,7 @@ def make_daemon(
     config.write_text(CONFIG.format(d=d, tq=tq, idle_release=idle_release, shutdown=shutdown))
     sim = SimBackend(devices=2, memory_bytes=80 * GiB, persist=d / "state" / "sim.json")
     kw: dict[str, Any] = {"clock": clock} if clock is not None else {}
-    daemon = Daemon(
+    daemon = assemble(
         config,
         load_config(config),
         backend=sim,

@@ -259,7 +259,7 @@ def test_swap_needs_the_cuda_lock_on_a_real_gpu_and_says_so(caplog) -> None:
     # With the sim every gate can swap; with NVML it takes the CUDA lock gate.
     from kiwid.config import Settings  # noqa: PLC0415
     from kiwid.config.schema import MemorySettings  # noqa: PLC0415
-    from kiwid.daemon.gates import NullGate  # noqa: PLC0415
+    from kiwid.daemon.gating.gates import NullGate  # noqa: PLC0415
     from kiwid.daemon.main import make_swapper  # noqa: PLC0415
 
     class NotSim:

@@ -15,11 +15,11 @@ import pytest
 
 from kiwid.adapters.sim import SimBackend
 from kiwid.core.events import MemoryFreeSeen, SwapFinished, SwapIn, SwapOut
-from kiwid.daemon.effects import Effects, SwapGuards
-from kiwid.daemon.executor import Executor
-from kiwid.daemon.gates import NullGate
-from kiwid.daemon.state import GatedRecord, StateFile
-from kiwid.daemon.swap import SimSwapper
+from kiwid.daemon.engine.effects import Effects, SwapGuards
+from kiwid.daemon.engine.executor import Executor
+from kiwid.daemon.gating.gates import NullGate
+from kiwid.daemon.gating.state import GatedRecord, StateFile
+from kiwid.daemon.gating.swap import SimSwapper
 
 GiB = 2**30
 

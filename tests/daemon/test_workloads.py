@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from kiwid.core.events import FootprintRemembered, TenantUnswappable
-from kiwid.daemon import checkpointable
-from kiwid.daemon.tenants import Identity, TenantInfo
-from kiwid.daemon.workloads import (
+from kiwid.daemon.gating import checkpointable
+from kiwid.daemon.tenants.tracker import Identity, TenantInfo
+from kiwid.daemon.tenants.workloads import (
     MAX_WORKLOADS,
     WorkloadBook,
     pod_owner,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kiwid.config.rules import TENANT_RULES
-from kiwid.daemon.admission import MAX_PRIORITY, MAX_WEIGHT
+from kiwid.daemon.control.admission import MAX_PRIORITY, MAX_WEIGHT
 from kiwid.hook import main as hook
 from kiwid.hook.main import ContainerInfo, MalformedState, container_info, parse_state
 

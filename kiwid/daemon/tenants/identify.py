@@ -8,7 +8,7 @@ import os
 
 from kiwid.adapters import procs
 from kiwid.adapters.cgroups import isolation_path
-from kiwid.daemon.tenants import Identity
+from kiwid.daemon.tenants.tracker import Identity
 
 log = logging.getLogger("kiwid.tenants")
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kiwid.core.events import Event, FootprintRemembered, TenantUnswappable
-from kiwid.daemon.tenants import Identity, TenantInfo
+from kiwid.daemon.tenants.tracker import Identity, TenantInfo
 from kiwid.linux import proc
 from kiwid.linux.files import read_regular, write_atomic
 

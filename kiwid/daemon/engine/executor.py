@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kiwid.core.events import Action, Gate, SwapIn, SwapOut, Ungate
-from kiwid.daemon.tenants import TenantInfo
+from kiwid.daemon.tenants.tracker import TenantInfo
 
 
 class Kind(enum.StrEnum):

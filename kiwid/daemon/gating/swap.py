@@ -21,7 +21,7 @@ from typing import Protocol
 from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
 from kiwid.adapters.sim import SimBackend, SimOutOfMemory, swap_in_persisted
 from kiwid.adapters.sim.link import Link
-from kiwid.daemon.state import GatedRecord
+from kiwid.daemon.gating.state import GatedRecord
 
 log = logging.getLogger("kiwid.swap")
 

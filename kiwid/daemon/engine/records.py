@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiwid.core.ledger import LedgerView
-from kiwid.daemon.tenants import TenantInfo
+from kiwid.daemon.tenants.tracker import TenantInfo
 
 HANDOVER_BUCKETS_S = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 

@@ -10,7 +10,7 @@
 * ``NullGate`` gates nothing: kiwid runs without the rights to freeze (not
   root), still schedules and shows the rotation, and says so at start.
 
-Every gate returns a :class:`~kiwid.daemon.state.GatedRecord` that is enough to
+Every gate returns a :class:`~kiwid.daemon.gating.state.GatedRecord` that is enough to
 undo it from another process (``kiwid recover``), with what tells the gated thing
 apart from another under the same name: the cgroups' inode numbers, the
 processes' start times. Ungating checks them, so kiwid never thaws a cgroup (or
@@ -34,8 +34,8 @@ from kiwid.adapters.cgroups import (
     remove_isolation,
 )
 from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
-from kiwid.daemon.state import GatedRecord
-from kiwid.daemon.tenants import TenantInfo
+from kiwid.daemon.gating.state import GatedRecord
+from kiwid.daemon.tenants.tracker import TenantInfo
 from kiwid.linux.proc import read_stat
 
 log = logging.getLogger("kiwid.gate")

@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kiwid.core.events import Event, GateFailed, MemoryFreeSeen, SwapFinished
-from kiwid.daemon.executor import Job, Kind
-from kiwid.daemon.gates import GateError, TenantGate
-from kiwid.daemon.state import StateFile
-from kiwid.daemon.swap import SwapError, Swapper
-from kiwid.daemon.tenants import TenantInfo
+from kiwid.daemon.engine.executor import Job, Kind
+from kiwid.daemon.gating.gates import GateError, TenantGate
+from kiwid.daemon.gating.state import StateFile
+from kiwid.daemon.gating.swap import SwapError, Swapper
+from kiwid.daemon.tenants.tracker import TenantInfo
 
 log = logging.getLogger("kiwid.engine")
 

@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiwid.adapters import procs
-from kiwid.core.events import ActivitySeen, Event, TenantAdopted
-from kiwid.daemon.context import Context
-from kiwid.daemon.gates import GateError, TenantGate, ungate_record
-from kiwid.daemon.state import GatedRecord, StateError, StateFile
-from kiwid.daemon.swap import SwapError, Swapper, restore_record
+from kiwid.daemon.gating.gates import GateError, TenantGate, ungate_record
+from kiwid.daemon.gating.state import GatedRecord, StateFile
+from kiwid.daemon.gating.swap import SwapError, Swapper, restore_record
 
 log = logging.getLogger("kiwid.recovery")
 
@@ -31,9 +29,9 @@ class Undo:
     """How this process undoes a record: its gate's ungate, its swapper's restore."""
 
     ungate: Callable[[GatedRecord], None]
-    """Raises :class:`~kiwid.daemon.gates.GateError` if it cannot."""
+    """Raises :class:`~kiwid.daemon.gating.gates.GateError` if it cannot."""
     restore: Callable[[GatedRecord], None]
-    """Raises :class:`~kiwid.daemon.swap.SwapError` if it cannot."""
+    """Raises :class:`~kiwid.daemon.gating.swap.SwapError` if it cannot."""
 
 
 def undo_with(
@@ -124,46 +122,3 @@ def report_skipped(state: StateFile) -> None:
             state.path,
             why,
         )
-
-
-def readopt(ctx: Context, poll: Callable[[Context], list[Event]]) -> None:
-    """At start: re-adopt what a previous kiwid (crash, SIGKILL, restart) left gated.
-
-    Tenants gated another way than this daemon gates, or gone, are let go at once;
-    the others are queued again, gated, by the scheduler (which gives running
-    tenants ``idle_release`` seconds to show their activity first). ``poll`` is
-    the first poll, which attaches the tenants (those in host RAM too).
-    """
-    engine, state = ctx.engine, ctx.state
-    try:
-        records = state.load()
-    except StateError as err:
-        aside = state.set_aside()
-        where = f"; moved to {aside}" if aside else ""
-        log.error("Ignoring the state file: %s%s", err, where)
-        records = {}
-    report_skipped(state)
-    if state.skipped:
-        state.replace_all(records)
-    undo = undo_with(state.dir, engine.effects.gate, engine.effects.swapper)
-    foreign = [r for r in records.values() if r.method != engine.effects.gate.method]
-    previous = ", left gated by a previous kiwid"
-    release_all(state, foreign, undo, previous)
-    engine.apply([ctx.configured()])
-    # The first poll attaches the tenants (those in host RAM too). They are adopted
-    # before any activity of this poll is applied: a gated tenant shows none, and
-    # one that does (its gate gone meanwhile) then holds in its turn.
-    first = poll(ctx)
-    engine.apply([e for e in first if not isinstance(e, ActivitySeen)])
-    adopted: list[GatedRecord] = []
-    gone: list[GatedRecord] = []
-    for key, record in state.records.items():
-        (adopted if key in engine.tracker.tenants else gone).append(record)
-    release_all(state, gone, undo, previous)
-    engine.apply([TenantAdopted(r.tenant, r.swapped) for r in adopted])
-    engine.apply([e for e in first if isinstance(e, ActivitySeen)])
-    for record in adopted:
-        where = "its memory is in host RAM; " if record.swapped else ""
-        log.info("Re-adopted %s: %sit waits for its turn", record.tenant, where)
-    if not state.records:
-        state.clear()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kiwid.adapters.podresources import ContainerRef, PodResourcesError, list_owners
 from kiwid.config.schema import KubernetesSettings
-from kiwid.daemon.tenants import TenantTracker
+from kiwid.daemon.tenants.tracker import TenantTracker
 
 __all__ = ["GIVE_UP_S", "MIN_GAP_S", "RETRY_MAX_S", "Lister", "PodNames"]
 

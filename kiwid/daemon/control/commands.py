@@ -19,10 +19,10 @@ from kiwid.adapters.control import ControlError, EncodedResult, Peer, check_comm
 from kiwid.adapters.sim import SimBackend
 from kiwid.config.reader import SHORT_TQ_S
 from kiwid.core.model import GpuPolicy
-from kiwid.daemon.admission import MAX_PRIORITY, MAX_WEIGHT, Admission
 from kiwid.daemon.context import Context
+from kiwid.daemon.control.admission import MAX_PRIORITY, MAX_WEIGHT, Admission
+from kiwid.daemon.control.status import StatusCache, tenant_json
 from kiwid.daemon.logs import seconds
-from kiwid.daemon.status import StatusCache, tenant_json
 from kiwid.linux.proc import uids
 
 log = logging.getLogger("kiwid")

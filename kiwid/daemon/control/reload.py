@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 
 from kiwid.config import ConfigError, Settings, load_config
-from kiwid.daemon import policy
-from kiwid.daemon.commands import log_tq_changes
+from kiwid.daemon import gpu_policy
 from kiwid.daemon.context import Context
+from kiwid.daemon.control.commands import log_tq_changes
+from kiwid.daemon.control.status import StatusCache, summary_line
 from kiwid.daemon.logs import set_level
-from kiwid.daemon.status import StatusCache, summary_line
 
 log = logging.getLogger("kiwid")
 
@@ -78,7 +78,7 @@ def reload(ctx: Context, status: StatusCache, reason: str, on_change: Callable[[
         log.warning("%s: %s", ctx.config_path, warning)
     before = ctx.engine.scheduler.policies()
     ctx.settings = loaded.settings
-    ctx.overrides = policy.RuntimeOverrides()  # the file is the persistent truth
+    ctx.overrides = gpu_policy.RuntimeOverrides()  # the file is the persistent truth
     ctx.tenant_policies.reload(ctx.settings.tenants)
     ctx.engine.executor.lanes = ctx.lanes()
     set_level(ctx.settings.daemon.log_level)

@@ -3,7 +3,7 @@
 :meth:`Engine.apply` feeds events to the scheduler and queues the actions it
 returns; it never waits. A runner carries the jobs out — on threads in the daemon
 (:class:`ThreadRunner`), inline in tests — in the order the executor allows
-(:mod:`kiwid.daemon.executor`), and each job's outcome goes back to the scheduler
+(:mod:`kiwid.daemon.engine.executor`), and each job's outcome goes back to the scheduler
 through :meth:`Engine.finished` as events (``SwapFinished``, ``GateFailed``). So a
 30-second checkpoint, a slow freeze or a stuck lock never holds up a poll, a
 ``kiwictl`` answer or the watchdog's ping, and nothing the scheduler decides is
@@ -25,10 +25,10 @@ from kiwid.core.events import Action, ActivitySeen, Event, SwapOut, TenantDetach
 from kiwid.core.model import TenantState
 from kiwid.core.scheduler import Scheduler, Transition
 from kiwid.core.states import Trigger
-from kiwid.daemon.effects import Effects
-from kiwid.daemon.executor import Executor, Job, Kind, Lanes
-from kiwid.daemon.records import Departed, Histogram, SwapProgress
-from kiwid.daemon.tenants import TenantInfo, TenantTracker
+from kiwid.daemon.engine.effects import Effects
+from kiwid.daemon.engine.executor import Executor, Job, Kind, Lanes
+from kiwid.daemon.engine.records import Departed, Histogram, SwapProgress
+from kiwid.daemon.tenants.tracker import TenantInfo, TenantTracker
 
 log = logging.getLogger("kiwid.engine")
 

@@ -17,10 +17,10 @@ from kiwid.core.ledger import LedgerView
 from kiwid.core.model import GpuPolicy, SwapMode
 from kiwid.core.view import GpuView, TenantView, WaiterView
 from kiwid.daemon.context import Context
-from kiwid.daemon.policy import MIB, configured
-from kiwid.daemon.records import Departed, Histogram, SwapProgress
-from kiwid.daemon.tenant_policy import Resolved
-from kiwid.daemon.tenants import TenantInfo
+from kiwid.daemon.engine.records import Departed, Histogram, SwapProgress
+from kiwid.daemon.gpu_policy import MIB, configured
+from kiwid.daemon.tenants.policy import Resolved
+from kiwid.daemon.tenants.tracker import TenantInfo
 
 STATUS_MAX_AGE_S = 0.1
 """A cached status is rebuilt when something changed, or when it is older than this."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from kiwid.config.schema import TenantMatch, TenantRule
 from kiwid.core.events import TenantPolicySet
 from kiwid.core.model import TenantPolicy, TenantSwap
-from kiwid.daemon.tenants import Identity, TenantInfo
+from kiwid.daemon.tenants.tracker import Identity, TenantInfo
 
 DEFAULT = TenantPolicy()
 

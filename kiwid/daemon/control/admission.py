@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from kiwid.adapters.control import ControlError, Peer
 from kiwid.core.events import Admitted
 from kiwid.daemon.context import Context
-from kiwid.daemon.identify import identity_of_container
-from kiwid.daemon.pods import PodNames
 from kiwid.daemon.sampling import poll
-from kiwid.daemon.tenants import Registration
+from kiwid.daemon.tenants.identify import identity_of_container
+from kiwid.daemon.tenants.pods import PodNames
+from kiwid.daemon.tenants.tracker import Registration
 from kiwid.linux.proc import comm
 
 log = logging.getLogger("kiwid")
@@ -39,10 +38,9 @@ MAX_PRIORITY = 1000
 class Admission:
     """Registers containers and holds newcomers until their turn."""
 
-    def __init__(self, ctx: Context, should_exit: Callable[[], bool]) -> None:
-        """Admit into ``ctx``; ``should_exit`` says when to stop waiting for an exec."""
+    def __init__(self, ctx: Context) -> None:
+        """Admit into ``ctx`` (a hold waiting for an exec ends with :meth:`close`)."""
         self._ctx = ctx
-        self._should_exit = should_exit
         self.pods = PodNames(ctx.engine.tracker, lambda: ctx.settings.kubernetes)
         self._holds: set[asyncio.Task[None]] = set()
 
@@ -147,7 +145,7 @@ class Admission:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + HOLD_EXEC_TIMEOUT_S
-        while loop.time() < deadline and not self._should_exit():
+        while loop.time() < deadline:
             exe = comm(pid)
             if exe is None or exe != runtime_exe:
                 break

@@ -7,7 +7,7 @@ segments (``/dev/shm/nccl-*``), or several of whose processes load NCCL, is
 kept on the card instead: it is gated, never swapped, and the rotation goes on
 around it. CUDA IPC and managed (UVM) memory leave no trace kiwid can read
 here; a checkpoint that fails because of them is remembered of the workload
-(:mod:`kiwid.daemon.workloads`), so its next runs stay on the card too.
+(:mod:`kiwid.daemon.tenants.workloads`), so its next runs stay on the card too.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""What operators and container runtimes ask of kiwid: commands, admission, status, reload."""

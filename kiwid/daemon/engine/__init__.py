@@ -1,0 +1,1 @@
+"""The scheduler's actions carried out off the loop: the engine, its executor, their effects."""

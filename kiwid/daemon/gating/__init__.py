@@ -1,0 +1,1 @@
+"""Keeping tenants off the GPU and their memory safe: gates, swaps, the state file, recovery."""

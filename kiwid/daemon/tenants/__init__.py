@@ -1,0 +1,1 @@
+"""Who the tenants are: the tracker, identities, pods, remembered workloads, policies."""

@@ -13,6 +13,7 @@ from typing import Any
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
 from kiwid.cli import explain, top
 from kiwid.cli.status_text import format_number, format_status, format_tenants
+from kiwid.core.model import TenantPolicy
 
 DEFAULT_SOCKET = "/run/kiwi/kiwid.sock"
 EXIT_OK = 0
@@ -98,8 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_top(sub)
     _add_explain(sub)
     for name, what, kind in (
-        ("set-weight", "weight: its quantum is TQ x weight (a number > 0)", float),
-        ("set-priority", "priority: higher first, preempting lower holders (an integer)", int),
+        ("set-weight", f"weight: its quantum is TQ x weight ({TenantPolicy.WEIGHT_RANGE})", float),
+        (
+            "set-priority",
+            f"priority: higher first, preempting lower holders ({TenantPolicy.PRIORITY_RANGE})",
+            int,
+        ),
     ):
         text = (
             f"set a tenant's {what}, until the next reload or restart (not persisted: "

@@ -25,6 +25,7 @@ from kiwid.config.schema import (
     TENANT_SWAPS,
     ServiceLimits,
 )
+from kiwid.core.model import TenantPolicy
 
 SOCKET_PATH_MAX_BYTES = 107
 """The longest Unix socket path, in bytes: ``sun_path`` is 108 including the NUL."""
@@ -187,11 +188,23 @@ MATCH_RULES = {
 
 
 def _weight(attr: str) -> Rule:
-    return Rule(attr, float, "a weight from 0.01 to 1000", lambda v: 0.01 <= v <= 1000)
+    """A weight as the core takes it (its range and words are ``TenantPolicy``'s)."""
+    return Rule(
+        attr,
+        float,
+        TenantPolicy.WEIGHT_RANGE,
+        lambda v: TenantPolicy.weight_refusal(v) is None,
+    )
 
 
 def _priority(attr: str) -> Rule:
-    return Rule(attr, int, "an integer priority from -1000 to 1000", lambda v: -1000 <= v <= 1000)
+    """A priority as the core takes it."""
+    return Rule(
+        attr,
+        int,
+        TenantPolicy.PRIORITY_RANGE,
+        lambda v: TenantPolicy.priority_refusal(v) is None,
+    )
 
 
 TENANT_RULES = {

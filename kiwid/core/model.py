@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import ClassVar
 
 GpuId = str
 """A GPU as the scheduler knows it: its index as a decimal string ("0", "1", ...)."""
@@ -58,30 +59,76 @@ class TenantSwap(enum.StrEnum):
 class TenantPolicy:
     """How one tenant is scheduled, as the shell resolved it (rules, annotations, kiwictl).
 
+    The range of a weight and a priority lives here and only here: the config
+    rules, ``register``, kiwi-hook and ``kiwictl set-weight``/``set-priority`` all
+    ask :meth:`weight_refusal` and :meth:`priority_refusal`, so that a value one of
+    them takes is taken by all, and refused by all in the same words.
+
     Attributes:
         weight: Its quantum is ``TQ x weight``; with everyone saturating, long-run
-            shares are ``weight / sum of weights`` within its priority class (> 0).
+            shares are ``weight / sum of weights`` within its priority class.
         priority: Higher first: a higher class preempts a lower holder and lower
             classes wait while a higher one bursts.
         tq_s: Its own TQ in seconds (``None``: the GPU's).
         swap: Whether its memory may go to host RAM.
     """
 
+    MIN_WEIGHT: ClassVar[float] = 0.01
+    """The smallest weight: a quantum of TQ / 100."""
+    MAX_WEIGHT: ClassVar[float] = 1000.0
+    """The largest weight: a quantum of 1000 x TQ."""
+    MIN_PRIORITY: ClassVar[int] = -1000
+    MAX_PRIORITY: ClassVar[int] = 1000
+    WEIGHT_RANGE: ClassVar[str] = "a number from 0.01 to 1000"
+    """The range in words, completing "must be ..." (the config rules say it so)."""
+    PRIORITY_RANGE: ClassVar[str] = "an integer from -1000 to 1000"
+
     weight: float = 1.0
     priority: int = 0
     tq_s: float | None = None
     swap: TenantSwap = TenantSwap.ALLOW
 
+    @staticmethod
+    def weight_refusal(weight: object) -> str | None:
+        """Why ``weight`` cannot be a tenant's weight, naming it; ``None`` if it can."""
+        if (
+            isinstance(weight, int | float)
+            and not isinstance(weight, bool)
+            and TenantPolicy.MIN_WEIGHT <= weight <= TenantPolicy.MAX_WEIGHT  # NaN is not
+        ):
+            return None
+        return f"weight must be {TenantPolicy.WEIGHT_RANGE}, not {_shown(weight)}"
+
+    @staticmethod
+    def priority_refusal(priority: object) -> str | None:
+        """Why ``priority`` cannot be a tenant's priority, naming it; ``None`` if it can."""
+        if (
+            isinstance(priority, int)
+            and not isinstance(priority, bool)
+            and TenantPolicy.MIN_PRIORITY <= priority <= TenantPolicy.MAX_PRIORITY
+        ):
+            return None
+        return f"priority must be {TenantPolicy.PRIORITY_RANGE}, not {_shown(priority)}"
+
     def __post_init__(self) -> None:
         """Reject values the scheduler cannot honour.
 
         Raises:
-            ValueError: a weight or TQ that is not a finite number > 0.
+            ValueError: a weight or priority out of range, or a TQ that is not a
+                finite number > 0.
         """
-        if not 0 < self.weight < float("inf"):
-            raise ValueError(f"weight must be > 0, not {self.weight}")
+        refusal = self.weight_refusal(self.weight) or self.priority_refusal(self.priority)
+        if refusal is not None:
+            raise ValueError(refusal)
         if self.tq_s is not None and not 0 < self.tq_s < float("inf"):
             raise ValueError(f"tq_s must be > 0, not {self.tq_s}")
+
+
+def _shown(value: object) -> str:
+    """A number as a message names it: ``2`` for ``2.0`` (kiwictl sends floats)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
 
 
 class TenantState(enum.StrEnum):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiwid.core.model import TenantPolicy
 from kiwid.hook.cgroup import _cgroup_from_config, _cgroups_from_proc
 
 GPU_ENV_PREFIX = "KIWI_GPU_"  # kiwid.adapters.cdi.GPU_ENV_PREFIX (adapters do not share)
@@ -26,12 +27,6 @@ DEVICE_IDS_ENV = "KIWI_DEVICE_IDS"
 # What a pod asks of the scheduler; kiwid caps it by the matching [[tenants]] rule.
 WEIGHT_ANNOTATION = "kiwi.io/weight"
 PRIORITY_ANNOTATION = "kiwi.io/priority"
-# The range kiwid takes: a weight as a [[tenants]] rule may set it (kiwid.config.rules),
-# a priority as register accepts it (kiwid.daemon.control.admission.MAX_PRIORITY; the hook does
-# not import the daemon, tests/hook checks that the two agree).
-MIN_WEIGHT = 0.01
-MAX_WEIGHT = 1000.0
-MAX_PRIORITY = 1000
 _NUMBER = re.compile(r"\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 _INTEGER = re.compile(r"[-+]?[0-9]+")
 _MAX_CONFIG_BYTES = 8 * 1024 * 1024
@@ -159,8 +154,8 @@ def _weight(value: str | None) -> tuple[float | None, str | None]:
 
     Returns:
         ``(None, None)`` without the annotation; ``(None, why)`` for one that is not a
-        positive decimal number; ``(weight, why)`` for one brought within
-        `MIN_WEIGHT`..`MAX_WEIGHT`; else ``(weight, None)``.
+        positive decimal number; ``(weight, why)`` for one brought within the range
+        kiwid takes (``TenantPolicy``'s); else ``(weight, None)``.
     """
     if value is None:
         return None, None
@@ -168,11 +163,11 @@ def _weight(value: str | None) -> tuple[float | None, str | None]:
     weight = float(text) if _NUMBER.fullmatch(text) else math.nan
     if not weight > 0:  # not a number, or zero
         return None, f"ignoring {WEIGHT_ANNOTATION}={_shown(value)}: not a positive number"
-    within = min(max(weight, MIN_WEIGHT), MAX_WEIGHT)
+    within = min(max(weight, TenantPolicy.MIN_WEIGHT), TenantPolicy.MAX_WEIGHT)
     if within != weight:
         return within, (
-            f"{WEIGHT_ANNOTATION}={_shown(value)} is outside {MIN_WEIGHT:g}..{MAX_WEIGHT:g}, "
-            f"what kiwid takes; asking for {within:g}"
+            f"{WEIGHT_ANNOTATION}={_shown(value)}: weight must be {TenantPolicy.WEIGHT_RANGE}; "
+            f"asking for {within:g}"
         )
     return weight, None
 
@@ -187,8 +182,8 @@ def _priority(value: str | None) -> tuple[int | None, str | None]:
 
     Returns:
         ``(None, None)`` without the annotation; ``(None, why)`` for one that is not a
-        decimal integer; ``(priority, why)`` for one brought within ±`MAX_PRIORITY`;
-        else ``(priority, None)``.
+        decimal integer; ``(priority, why)`` for one brought within the range kiwid
+        takes; else ``(priority, None)``.
     """
     if value is None:
         return None, None
@@ -197,13 +192,13 @@ def _priority(value: str | None) -> tuple[int | None, str | None]:
         return None, f"ignoring {PRIORITY_ANNOTATION}={_shown(value)}: not an integer"
     # int() of a long enough string raises (sys.set_int_max_str_digits): out of range.
     digits = text.lstrip("+-").lstrip("0")
-    priority = int(digits or "0") if len(digits) <= 9 else MAX_PRIORITY + 1
+    priority = int(digits or "0") if len(digits) <= 9 else 10**9
     priority = -priority if text.startswith("-") else priority
-    within = min(max(priority, -MAX_PRIORITY), MAX_PRIORITY)
+    within = min(max(priority, TenantPolicy.MIN_PRIORITY), TenantPolicy.MAX_PRIORITY)
     if within != priority:
         return within, (
-            f"{PRIORITY_ANNOTATION}={_shown(value)} is outside -{MAX_PRIORITY}..{MAX_PRIORITY}, "
-            f"what kiwid takes; asking for {within}"
+            f"{PRIORITY_ANNOTATION}={_shown(value)}: priority must be "
+            f"{TenantPolicy.PRIORITY_RANGE}; asking for {within}"
         )
     return priority, None
 

@@ -53,21 +53,12 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
-from kiwid.hook.container import (
-    MAX_PRIORITY,
-    MAX_WEIGHT,
-    MIN_WEIGHT,
-    ContainerInfo,
-    container_info,
-)
+from kiwid.hook.container import ContainerInfo, container_info
 from kiwid.hook.state import MalformedState, parse_state
 
 # Re-exported from kiwid.hook.container and kiwid.hook.state, where they live:
-# the range kiwid takes and the state's error, which tests/hook imports from here.
+# the state's error, which tests/hook imports from here.
 __all__ = [
-    "MAX_PRIORITY",
-    "MAX_WEIGHT",
-    "MIN_WEIGHT",
     "ContainerInfo",
     "MalformedState",
     "container_info",

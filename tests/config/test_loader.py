@@ -727,6 +727,39 @@ def test_tenant_rule_problems_name_the_rule_and_key(text: str, problem: str) -> 
     assert any(problem in line for line in found), found
 
 
+# The core's words (TenantPolicy), as set-weight and register say it.
+WEIGHTS = "must be a number from 0.01 to 1000"
+PRIORITIES = "must be an integer from -1000 to 1000"
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("weight = 0.001", f"tenants[0].weight = 0.001: {WEIGHTS}"),
+        ("weight = 1000.5", f"tenants[0].weight = 1000.5: {WEIGHTS}"),
+        ("max_weight = 0.001", f"tenants[0].max_weight = 0.001: {WEIGHTS}"),
+        ("priority = 1001", f"tenants[0].priority = 1001: {PRIORITIES}"),
+        ("max_priority = -1001", f"tenants[0].max_priority = -1001: {PRIORITIES}"),
+    ],
+)
+def test_a_rules_weight_or_priority_out_of_range_is_refused_in_the_cores_words(
+    line: str, problem: str
+) -> None:
+    assert errors(f"[[tenants]]\nmatch = {{}}\n{line}\n") == [f"{SRC}: {problem}"]
+
+
+def test_a_rules_weight_and_priority_bounds_are_accepted() -> None:
+    text = "[[tenants]]\nmatch = {}\nweight = 0.01\npriority = -1000\nmax_weight = 1000\n"
+    text += "max_priority = 1000\n"
+    (rule,) = parse_config(text).settings.tenants
+    assert (rule.weight, rule.priority, rule.max_weight, rule.max_priority) == (
+        0.01,
+        -1000,
+        1000.0,
+        1000,
+    )
+
+
 def test_unknown_tables_inside_known_ones_too() -> None:
     assert errors("[scheduler.tenants.alice]\ntq = 1\n") == [
         f"{SRC}: unknown key scheduler.tenants "

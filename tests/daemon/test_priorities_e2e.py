@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from tests.daemon.conftest import Kiwid, config_text, wait_for
+from kiwid.adapters.control import ControlError
+from tests.daemon.conftest import V2_ROOT, Kiwid, config_text, wait_for
 from tests.daemon.test_swap_e2e import sim_memory, swap_config, swapped
 
 GiB = 2**30
@@ -99,13 +100,53 @@ def test_kiwictl_sets_weight_and_priority_until_the_next_reload(start_kiwid, ten
     assert policy["sources"]["weight"] == "runtime"
     bad = k.ctl("set-weight", a.key, "0")
     assert bad.returncode == 1, bad.stderr  # refused as invalid, nothing changed
-    assert "weight must be a number > 0" in bad.stderr
+    assert "weight must be a number from 0.01 to 1000, not 0" in bad.stderr
     assert entry(k, a.key)["policy"]["weight"] == 2.5
     refused = k.ctl("set-weight", "nobody-at-all", "2")
     assert refused.returncode == 1
     k.write_config(k.config.read_text())  # a reload: the file is the persistent truth
     wait_for(lambda: not entry(k, a.key)["policy"]["runtime"], 5, "the runtime values to end")
     assert entry(k, a.key)["policy"]["weight"] == 1.0
+
+
+WEIGHTS = "weight must be a number from 0.01 to 1000"  # the core's words (TenantPolicy)
+PRIORITIES = "priority must be an integer from -1000 to 1000"
+
+
+def test_register_and_kiwictl_take_the_cores_range_and_no_more(start_kiwid, tenants) -> None:
+    k = start_kiwid(tq=10, poll=0.05)
+    c = tenants("c", busy=False)
+    cgroup = "/" + str(c.v2.relative_to(V2_ROOT))
+    container = {"id": "c0", "cgroup_v2": cgroup, "pid": c.pid, "hold": False}
+    for bad, words in (
+        ({"weight": 0.001}, f"container c0: {WEIGHTS}, not 0.001"),
+        ({"weight": 1000.5}, f"container c0: {WEIGHTS}, not 1000.5"),
+        ({"priority": 1001}, f"container c0: {PRIORITIES}, not 1001"),
+    ):
+        with pytest.raises(ControlError) as err:
+            k.call("register", {**container, **bad})
+        assert (err.value.code, err.value.message) == ("invalid-value", words)
+    assert k.tenant_states() == {}  # nothing registered
+    k.call("register", {**container, "weight": 0.01, "priority": -1000})
+    wait_for(lambda: c.key in k.tenant_states(), 5, "c to be registered")
+    assert entry(k, c.key)["policy"]["sources"]["weight"] == "annotation"
+    for command, value, words in (
+        ("set-weight", "0.001", f"{WEIGHTS}, not 0.001"),
+        ("set-weight", "1000.5", f"{WEIGHTS}, not 1000.5"),
+        ("set-priority", "1001", f"{PRIORITIES}, not 1001"),
+        ("set-priority", "-1001", f"{PRIORITIES}, not -1001"),
+    ):
+        out = k.ctl(command, c.key, value)
+        assert (out.returncode, out.stderr) == (1, f"[ERROR] {words}\n")
+    policy = entry(k, c.key)["policy"]
+    assert (policy["weight"], policy["priority"], policy["runtime"]) == (0.01, -1000, False)
+    for command, value in (("set-weight", "1000"), ("set-priority", "1000")):
+        assert k.ctl(command, c.key, value).returncode == 0
+    policy = entry(k, c.key)["policy"]
+    assert (policy["weight"], policy["priority"]) == (1000.0, 1000)
+    assert k.ctl("set-weight", c.key, "0.01").returncode == 0
+    assert entry(k, c.key)["policy"]["weight"] == 0.01
+    assert "Traceback" not in k.log_text()
 
 
 def test_a_preempted_tenant_is_suspended_to_host_ram_and_comes_back_and_never_means_never(

@@ -17,6 +17,7 @@ from typing import Any
 
 from kiwid.adapters.control import ControlError, Peer
 from kiwid.core.events import Admitted
+from kiwid.core.model import TenantPolicy
 from kiwid.daemon.context import Context
 from kiwid.daemon.sampling import poll
 from kiwid.daemon.tenants.identify import identity_of_container
@@ -31,8 +32,6 @@ HOLD_EXEC_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 5.0
 """How long ``register`` waits for a hold's gate to take before it answers."""
 _RUNTIMES = ("runc", "crun", "youki", "runsc", "kata")
-MAX_WEIGHT = 1000.0
-MAX_PRIORITY = 1000
 
 
 class Admission:
@@ -62,14 +61,14 @@ class Admission:
             raise ControlError("forbidden", "register needs root (the container runtime)")
         cid = args["id"]
         pid = args.get("pid")
-        weight = args.get("weight")
-        if weight is not None and not 0 < weight <= MAX_WEIGHT:
-            raise ControlError("invalid-value", f"container {cid}: weight {weight!r} is not > 0")
-        priority = args.get("priority")
-        if priority is not None and not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
-            raise ControlError(
-                "invalid-value", f"container {cid}: priority {priority} is out of range"
-            )
+        weight, priority = args.get("weight"), args.get("priority")
+        for value, refusal_of in (
+            (weight, TenantPolicy.weight_refusal),
+            (priority, TenantPolicy.priority_refusal),
+        ):
+            refusal = None if value is None else refusal_of(value)
+            if refusal is not None:
+                raise ControlError("invalid-value", f"container {cid}: {refusal}")
         if pid is None or pid <= 0:
             raise ControlError("invalid-value", f"container {cid}: a process id is needed")
         try:

@@ -18,9 +18,9 @@ from kiwid import __version__
 from kiwid.adapters.control import ControlError, EncodedResult, Peer, check_command_table
 from kiwid.adapters.sim import SimBackend
 from kiwid.config.reader import SHORT_TQ_S
-from kiwid.core.model import GpuPolicy
+from kiwid.core.model import GpuPolicy, TenantPolicy
 from kiwid.daemon.context import Context
-from kiwid.daemon.control.admission import MAX_PRIORITY, MAX_WEIGHT, Admission
+from kiwid.daemon.control.admission import Admission
 from kiwid.daemon.control.status import StatusCache, tenant_json
 from kiwid.daemon.logs import seconds
 from kiwid.linux.proc import uids
@@ -225,21 +225,17 @@ def _apply_runtime(c: Commands, key: str, field_name: str, value: float, peer: P
 
 async def _set_weight(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     weight = args["weight"]
-    if not math.isfinite(weight) or not 0 < weight <= MAX_WEIGHT:
-        raise ControlError(
-            "invalid-value",
-            f"weight must be a number > 0 and at most {MAX_WEIGHT:g}, not {weight!r}",
-        )
+    refusal = TenantPolicy.weight_refusal(weight)
+    if refusal is not None:
+        raise ControlError("invalid-value", refusal)
     return _apply_runtime(c, _tenant_key(c, args["tenant"]), "weight", float(weight), peer)
 
 
 async def _set_priority(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     priority = args["priority"]
-    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
-        raise ControlError(
-            "invalid-value",
-            f"priority must be an integer from {-MAX_PRIORITY} to {MAX_PRIORITY}, not {priority}",
-        )
+    refusal = TenantPolicy.priority_refusal(priority)
+    if refusal is not None:
+        raise ControlError("invalid-value", refusal)
     return _apply_runtime(c, _tenant_key(c, args["tenant"]), "priority", priority, peer)
 
 

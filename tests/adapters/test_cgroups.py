@@ -22,6 +22,7 @@ from kiwid.adapters.cgroups import (
     IsolationError,
     cgroup_of,
     isolate_process,
+    populated,
     remove_isolation,
 )
 from tests.adapters.conftest import BUSY, Sandbox, cpu_seconds, wait_until
@@ -386,3 +387,23 @@ def test_isolate_process_does_without_an_unwritable_v1_freezer(
     bare.wait(timeout=5)
     wait_until(lambda: not _populated(sandbox, ref), what="the cgroup to empty")
     remove_isolation(ref, layout)
+
+
+def test_populated_says_whether_a_cgroup_or_one_below_it_holds_a_process(
+    sandbox: Sandbox,
+) -> None:
+    ref, below = sandbox.cgroup("c"), sandbox.cgroup("c/inner")
+    only_v1 = CgroupRef(None, ref.v1_freezer)
+    assert not populated(sandbox.layout, ref)
+    child = sandbox.spawn()
+    sandbox.move(child.pid, below)
+    assert populated(sandbox.layout, ref)  # a process in a cgroup below counts
+    if only_v1.v1_freezer is not None:
+        assert populated(sandbox.layout, only_v1)
+    child.kill()
+    child.wait()
+    wait_until(lambda: not populated(sandbox.layout, ref), what="the cgroup to empty")
+    if only_v1.v1_freezer is not None:
+        assert not populated(sandbox.layout, only_v1)
+    gone = CgroupRef(f"{sandbox.top}/never-made", None)
+    assert not populated(sandbox.layout, gone)

@@ -87,7 +87,7 @@ class InlineRunner:
 class Harness:
     def __init__(self, policies: dict[str, GpuPolicy], fates: list[str], lanes: Lanes) -> None:
         self.clock = FakeClock()
-        self.tracker = TenantTracker(lambda pid: None, alive=lambda pid: True)
+        self.tracker = TenantTracker(lambda pid: None, alive=lambda pid, start: True)
         # Effects are not used: the world model below carries the jobs out.
         effects = Effects(NullGate(), StateFile("/nonexistent"), None, self.clock.now)
         self.engine = Engine(Scheduler(), self.tracker, effects, self.clock.now, lanes=lanes)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import pytest
 
 from kiwid.adapters.control import ControlError
@@ -75,6 +78,48 @@ def test_bad_registrations_are_refused_and_change_nothing(
     assert info.value.code == "invalid-value"
     assert not c.frozen()
     assert k.tenant_states() == {}
+
+
+def test_a_container_whose_poststop_was_missed_expires_by_itself(start_kiwid, tenants) -> None:
+    k = start_kiwid(tq=30, poll=0.05)
+    c, other = tenants("c", busy=False), tenants("other", busy=False)
+    for cid, t in (("gone", c), ("stays", other)):
+        args = {"id": cid, "cgroup_v2": cgroup_of(t), "pid": t.pid, "hold": False}
+        k.call("register", args)
+    wait_for(lambda: {c.key, other.key} <= set(k.tenant_states()), 5, "both to be registered")
+    c.proc.kill()  # the container stops, and the runtime never runs kiwi-hook poststop
+    c.proc.wait()
+    wait_for(lambda: c.key not in k.tenant_states(), 5, "the dead container to expire")
+    out = k.ctl("tenants")
+    assert out.returncode == 0, out.stderr
+    assert c.key not in out.stdout and other.key in out.stdout
+    expired = [line for line in k.log_text().splitlines() if "poststop" in line]
+    assert len(expired) == 1, expired
+    assert c.key in expired[0] and "gone" in expired[0]
+    assert k.call("unregister", {"id": "gone"}) == {"removed": False}  # forgotten already
+    assert k.call("unregister", {"id": "stays"}) == {"removed": True}
+
+
+def test_a_container_lives_on_while_its_cgroup_holds_a_process(start_kiwid, tenants) -> None:
+    k = start_kiwid(tq=30, poll=0.05)
+    c = tenants("c", busy=False)
+    k.call("register", {"id": "c", "cgroup_v2": cgroup_of(c), "pid": c.pid, "hold": False})
+    wait_for(lambda: c.key in k.tenant_states(), 5, "c to be registered")
+    # A second process in the container's cgroup outlives the one that was registered.
+    child = subprocess.Popen(["sleep", "3600"])
+    try:
+        (c.v2 / "cgroup.procs").write_text(str(child.pid))
+        c.proc.kill()
+        c.proc.wait()
+        for _ in range(20):  # 20 polls or more: it stays all along
+            assert c.key in k.tenant_states()
+            time.sleep(0.05)  # what is checked is that nothing happens meanwhile
+        child.kill()
+        child.wait()
+        wait_for(lambda: c.key not in k.tenant_states(), 5, "the emptied container to expire")
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_the_daemon_handles_exactly_the_protocols_commands() -> None:

@@ -38,6 +38,7 @@ from kiwid.adapters.cgroups.layout import (
     IsolationError,
     cgroup_ids,
     cgroup_of,
+    populated,
 )
 
 __all__ = [
@@ -54,5 +55,6 @@ __all__ = [
     "cgroup_of",
     "isolate_process",
     "isolation_path",
+    "populated",
     "remove_isolation",
 ]

@@ -10,6 +10,7 @@ hybrid one).
 from __future__ import annotations
 
 import errno
+import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -168,6 +169,34 @@ def cgroup_ids(layout: CgroupLayout, ref: CgroupRef) -> tuple[int | None, int | 
         except OSError:
             ids.append(None)
     return ids[0], ids[1]
+
+
+def populated(layout: CgroupLayout, ref: CgroupRef) -> bool:
+    """Whether ``ref``'s cgroup, or one below it, still holds a process.
+
+    cgroup2 says so in ``cgroup.events`` (``populated``, descendants included); the
+    v1 freezer hierarchy has only each cgroup's ``cgroup.procs``. A cgroup that is
+    gone, or unreadable, holds nothing kiwid could gate; so does a root or a
+    hierarchy this host does not mount.
+
+    Raises:
+        FreezeError: A path is relative or contains ``..``.
+    """
+    v2, v1 = layout.dirs(ref)
+    if v2 is not None:
+        try:
+            return "populated 1" in (v2 / "cgroup.events").read_text().splitlines()
+        except OSError:
+            return False
+    if v1 is not None:
+        for directory, _, files in os.walk(v1):  # a vanished directory ends its branch
+            if "cgroup.procs" in files:
+                try:
+                    if Path(directory, "cgroup.procs").read_text().strip():
+                        return True
+                except OSError:
+                    continue
+    return False
 
 
 def _control(file: Path, value: str | None = None) -> str:

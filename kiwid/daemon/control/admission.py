@@ -23,7 +23,7 @@ from kiwid.daemon.sampling import poll
 from kiwid.daemon.tenants.identify import identity_of_container
 from kiwid.daemon.tenants.pods import PodNames
 from kiwid.daemon.tenants.tracker import Registration
-from kiwid.linux.proc import comm
+from kiwid.linux.proc import comm, read_stat
 
 log = logging.getLogger("kiwid")
 
@@ -94,7 +94,9 @@ class Admission:
                 raise ControlError("invalid-value", f"no GPU {ref!r} on this node (GPUs: {known})")
             gpus.add(gpu)
         engine = ctx.engine
-        engine.tracker.register(Registration(cid, ident, frozenset(gpus), frozenset({pid})))
+        stat = read_stat(pid)  # with the pid, its start names the process for good
+        starts = {pid: stat.start_ticks if stat is not None else None}
+        engine.tracker.register(Registration(cid, ident, frozenset(gpus), frozenset({pid}), starts))
         if ident.pod is None:
             self.pods.want(ident.key, args.get("device_ids") or ())
         else:

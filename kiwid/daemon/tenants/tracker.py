@@ -7,12 +7,17 @@ maps PIDs to tenants (cached per PID) and turns the differences into events.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kiwid.adapters import procs
+from kiwid.adapters.cgroups import CgroupError, CgroupLayout, CgroupRef, populated
 from kiwid.adapters.gpu import GpuProcess
 from kiwid.core.events import ActivitySeen, Event, FootprintSeen, TenantAttached, TenantDetached
+
+log = logging.getLogger("kiwid")
 
 
 @dataclass(frozen=True)
@@ -79,12 +84,45 @@ class Hidden:
 
 @dataclass
 class Registration:
-    """A container announced by kiwi-hook before (or without) GPU processes."""
+    """A container announced by kiwi-hook before (or without) GPU processes.
+
+    It ends with ``unregister`` (kiwi-hook's poststop) or, should that never come,
+    by itself once its container is gone (:meth:`TenantTracker.observe`).
+    """
 
     container_id: str
     identity: Identity
     gpus: frozenset[str]
     pids: frozenset[int]
+    starts: Mapping[int, int | None] = field(default_factory=dict)
+    """Start time (clock ticks since boot) of each of ``pids`` when it registered: a
+    PID reused since is another process (``None`` or absent: not known)."""
+
+
+Alive = Callable[[int, int | None], bool]
+"""Whether a PID runs and, given its start time, is still that process."""
+
+
+@functools.cache
+def _layout() -> CgroupLayout | None:
+    try:
+        return CgroupLayout.detect()
+    except CgroupError:
+        return None
+
+
+def cgroup_populated(ident: Identity) -> bool:
+    """Whether ``ident``'s cgroup (or one below it) still holds a process.
+
+    Gone, unreadable, or in no hierarchy this host mounts: it holds none.
+    """
+    layout = _layout()
+    if layout is None:
+        return False
+    try:
+        return populated(layout, CgroupRef(ident.cgroup_v2, ident.cgroup_v1_freezer))
+    except CgroupError:
+        return False
 
 
 class TenantTracker:
@@ -93,15 +131,18 @@ class TenantTracker:
     def __init__(
         self,
         identify: Callable[[int], Identity | None],
-        alive: Callable[[int], bool] | None = None,
+        alive: Alive | None = None,
+        occupied: Callable[[Identity], bool] = cgroup_populated,
     ) -> None:
         """Track tenants.
 
         ``identify`` maps a host PID to its tenant (``None``: process gone);
-        ``alive`` says whether a PID still runs.
+        ``alive`` says whether a PID still runs (and is the process that started
+        then); ``occupied`` whether a tenant's cgroup still holds a process.
         """
         self._identify = identify
-        self._alive = alive or procs.alive
+        self._alive: Alive = alive or procs.alive
+        self._occupied = occupied
         self._by_pid: dict[int, Identity] = {}
         self.tenants: dict[str, TenantInfo] = {}
         self._last_key: object = None
@@ -126,7 +167,10 @@ class TenantTracker:
         """
         samples = list(samples)
         lost_set = frozenset(lost_gpus)
-        keep = {k: h for k, h in (hidden or {}).items() if any(map(self._alive, h.pids))}
+        self._expire_registrations()
+        keep = {
+            k: h for k, h in (hidden or {}).items() if any(self._alive(p, None) for p in h.pids)
+        }
         # An idle node's polls repeat themselves: nothing to diff, nothing to say.
         # (Activity is news every time: it keeps a burst alive.)
         key = (
@@ -183,6 +227,29 @@ class TenantTracker:
         """Announce a container (its names win over what /proc tells)."""
         self.registered[reg.identity.key] = reg
         self._registry_version += 1
+
+    def _expire_registrations(self) -> None:
+        """Forget the announced containers that are gone though no poststop said so.
+
+        A container is gone when none of its registered processes runs (a PID
+        reused since is another process) and its cgroup holds no process any
+        more, or is gone. kiwi-hook's poststop may never come: a runtime killed
+        with its container, a hook that timed out, a host that rebooted a runtime.
+        """
+        for key, reg in list(self.registered.items()):
+            if any(self._alive(pid, reg.starts.get(pid)) for pid in reg.pids):
+                continue
+            if self._occupied(reg.identity):
+                continue
+            del self.registered[key]
+            self._registry_version += 1
+            log.info(
+                "Container %s (%s) is gone without its poststop unregister "
+                "(process %s exited, its cgroup is empty): forgotten",
+                reg.container_id,
+                key,
+                ",".join(map(str, sorted(reg.pids))) or "-",
+            )
 
     def unregister(self, container_id: str) -> str | None:
         """Forget an announced container; return its tenant key, if it was known."""

@@ -11,6 +11,7 @@ memory leaves, keeps it in the table while one of its processes lives.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from kiwid.adapters import procs
 from kiwid.adapters.gpu import GpuBackendError, GpuLost
@@ -30,7 +31,7 @@ log = logging.getLogger("kiwid")
 _ARRIVALS = (TenantAttached, TenantDetached, GpusConfigured)
 
 
-def hidden_tenants(records: dict[str, GatedRecord]) -> dict[str, Hidden]:
+def hidden_tenants(records: Mapping[str, GatedRecord]) -> dict[str, Hidden]:
     """Tenants whose memory the state file records in host RAM (kept while alive)."""
     return {
         key: Hidden(frozenset(r.pids), frozenset(r.swapped or ()))

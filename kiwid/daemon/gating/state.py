@@ -10,6 +10,10 @@ same path is another cgroup) and each process's start time (a PID reused since i
 another process). Recovery acts only on what matches. A record of the wrong shape
 is skipped and named, the others are kept: one bad line strands nobody else.
 
+Reading never waits for a write: the records are an immutable snapshot that a
+writer replaces once its write (and fsync) is done, so the event loop's poll never
+waits behind a worker thread's fsync, and a reader sees what the file holds.
+
 The directory is 0700 and the file 0600 (pids and cgroups are nobody else's
 business). A lock file in it is held by the live kiwid: a second kiwid or
 ``kiwid recover`` refuses to act while it is held.
@@ -29,6 +33,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from kiwid.linux.files import read_regular, write_atomic
@@ -171,8 +176,9 @@ class StateFile:
         """Keep the state in ``state_dir`` (created on first write, mode 0700)."""
         self.dir = Path(state_dir)
         self.path = self.dir / "state.json"
-        self._records: dict[str, GatedRecord] = {}
-        self._write_lock = threading.Lock()  # worker threads record gates
+        self._records: Mapping[str, GatedRecord] = MappingProxyType({})
+        """What the file holds: never changed in place, replaced after each write."""
+        self._write_lock = threading.Lock()  # worker threads record gates; writers only
         self._lock_fd: int | None = None
         self.skipped: dict[str, str] = {}
         """Records of the last :meth:`load` that were not usable, and why."""
@@ -180,10 +186,9 @@ class StateFile:
         """How many times the file was written (each write is an fsync)."""
 
     @property
-    def records(self) -> dict[str, GatedRecord]:
-        """The gated tenants as last written (a copy)."""
-        with self._write_lock:
-            return dict(self._records)
+    def records(self) -> Mapping[str, GatedRecord]:
+        """The gated tenants as last written (read-only; never waits for a write)."""
+        return self._records
 
     # ------------------------------------------------------------ the lock
 
@@ -259,7 +264,7 @@ class StateFile:
         try:
             raw = read_regular(self.path, MAX_STATE_BYTES)
         except FileNotFoundError:
-            self._records = {}
+            self._records = MappingProxyType({})
             return {}
         except OSError as err:
             raise StateError(f"{self.path}: {err.strerror or err}") from err
@@ -281,16 +286,15 @@ class StateFile:
                 records[key] = parse_record(key, rec)
             except BadRecord as err:
                 self.skipped[str(key)] = str(err)
-        self._records = records
-        return dict(records)
+        self._records = MappingProxyType(dict(records))
+        return records
 
     # ------------------------------------------------------------ writing
 
     def put(self, record: GatedRecord) -> None:
         """Record a tenant as (about to be) gated; durable on return."""
         with self._write_lock:
-            self._records[record.tenant] = record
-            self._write()
+            self._write({**self._records, record.tenant: record})
 
     def drop(self, tenant: str) -> None:
         """Forget a tenant after it was ungated; durable on return."""
@@ -299,15 +303,15 @@ class StateFile:
     def drop_many(self, tenants: Iterable[str]) -> None:
         """Forget several tenants with one write (recovery of thousands stays O(n))."""
         with self._write_lock:
-            dropped = [t for t in tenants if self._records.pop(t, None) is not None]
+            records = dict(self._records)
+            dropped = [t for t in tenants if records.pop(t, None) is not None]
             if dropped:
-                self._write()
+                self._write(records)
 
     def replace_all(self, records: Mapping[str, GatedRecord]) -> None:
         """Write exactly ``records`` (e.g. the loaded ones without the skipped)."""
         with self._write_lock:
-            self._records = dict(records)
-            self._write()
+            self._write(dict(records))
 
     def set_aside(self) -> Path | None:
         """Move an unusable state file out of the way (kept for the operator)."""
@@ -321,17 +325,23 @@ class StateFile:
     def clear(self) -> None:
         """Forget everything and remove the file."""
         with self._write_lock:
-            self._records = {}
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+            self._records = MappingProxyType({})
 
-    def _write(self) -> None:
+    def _write(self, records: dict[str, GatedRecord]) -> None:
+        """Write ``records``, durably; then (only then) readers see them.
+
+        Raises:
+            OSError: the file cannot be written; the records stay as the file has them.
+        """
         self.ensure_dir()
         doc = {
             "version": STATE_VERSION,
-            "gated": {key: _record_json(rec) for key, rec in sorted(self._records.items())},
+            "gated": {key: _record_json(rec) for key, rec in sorted(records.items())},
         }
         write_atomic(self.path, json.dumps(doc, indent=1).encode())
+        self._records = MappingProxyType(records)  # one reference swap: atomic
         self.writes += 1
 
 

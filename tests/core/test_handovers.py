@@ -68,7 +68,9 @@ def test_the_card_never_holds_more_than_it_has() -> None:
         peak = max(peak, sum(card.on_card.values()))
     assert peak <= card.policy.capacity_bytes - card.policy.reserve_bytes
     assert len(card.restores) >= 10
-    for tenant, free in card.restores[2:]:
+    # Every restore, the first two too (they run once the over-full start has been
+    # checkpointed): the driver's last reading had its bytes and the reserve free.
+    for tenant, free in card.restores:
         assert free >= card.sizes[tenant] + card.policy.reserve_bytes
 
 

@@ -187,7 +187,8 @@ def test_a_preempted_tenant_is_suspended_to_host_ram_and_comes_back_and_never_me
 def test_a_tenant_starved_past_max_wait_is_boosted_and_told_why(
     start_kiwid, tenants, workdir
 ) -> None:
-    text = config_text(workdir, tq=30, poll=0.05).replace("[gpu]", "max_wait = 2\n[gpu]", 1)
+    tq = 2
+    text = config_text(workdir, tq=tq, poll=0.05).replace("[gpu]", "max_wait = 2\n[gpu]", 1)
     text += rules('match = { cgroup = "*/vip" }\npriority = 5')
     (workdir / "kiwi.toml").write_text(text)
     k = start_kiwid()
@@ -198,3 +199,13 @@ def test_a_tenant_starved_past_max_wait_is_boosted_and_told_why(
     wait_for(lambda: entry(k, low.key).get("boosted"), 10, "low to be boosted after max_wait")
     out = k.ctl("explain", low.key)
     assert "max_wait" in out.stdout, out.stdout
+    # Boosted, it gets one whole quantum (TQ x weight 1), and runs in it, though the
+    # higher class waits all along; then the higher class holds again.
+    wait_for(lambda: holder(k) == low.key and not low.frozen(), 10, "low to hold")
+    assert entry(k, low.key)["quantum_s"] == tq
+    ran_from = low.cpu_ticks()
+    wait_for(lambda: holder(k) == vip.key, 3 * tq, "vip to hold again after low's quantum")
+    held = entry(k, low.key)["ledger"]
+    assert held["holding_s"] >= tq - 0.01, held  # kiwid's own account: not cut short
+    assert low.cpu_ticks() > ran_from, "low ran in its quantum"
+    wait_for(low.frozen, 5, "low to wait again, frozen")

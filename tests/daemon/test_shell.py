@@ -40,6 +40,9 @@ class ScriptedGate:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
+        """The calls that returned, in order."""
+        self.started: list[tuple[str, str]] = []
+        """The calls that began (a held one is here and not yet in ``calls``)."""
         self.hold: dict[tuple[str, str], threading.Event] = {}
         self._lock = threading.Lock()
 
@@ -47,6 +50,8 @@ class ScriptedGate:
         return GatedRecord(tenant.key, self.method, None, None, tuple(sorted(tenant.pids)))
 
     def _call(self, what: str, tenant: str) -> None:
+        with self._lock:
+            self.started.append((what, tenant))
         held = self.hold.get((what, tenant))
         if held is not None:
             held.wait(30)
@@ -63,8 +68,14 @@ class ScriptedGate:
         """Nothing to drop."""
 
     def did(self, what: str, tenant: str) -> bool:
+        """Whether that call returned."""
         with self._lock:
             return (what, tenant) in self.calls
+
+    def began(self, what: str, tenant: str) -> bool:
+        """Whether that call began (it may still hang)."""
+        with self._lock:
+            return (what, tenant) in self.started
 
 
 class Pinger:
@@ -213,6 +224,10 @@ def test_a_stop_is_bounded_and_a_second_sigint_forces_it(
     a, b = sleepers(), sleepers()
     stuck = threading.Event()
     gate.hold[("ungate", key(b))] = stuck
+    # b's ungate hangs 5 s, then returns: far past the stop's bound (0.5 s), well
+    # short of the 60 s timeout that only a second SIGINT cuts short. A stop that
+    # waited for it would return after it, and the check below would see that.
+    hang = threading.Timer(5.0, stuck.set)
 
     async def scenario() -> int:
         run = asyncio.create_task(daemon.run())
@@ -221,12 +236,14 @@ def test_a_stop_is_bounded_and_a_second_sigint_forces_it(
         await until(lambda: daemon.engine.scheduler.tenant_state(key(a)), "a to be seen")
         sim.attach(b.pid, 0, GiB, "active")
         await until(lambda: gate.did("gate", key(b)), "b to be gated")
+        hang.start()
         daemon.handle_exit(signal.SIGINT)
         await until(lambda: "STOPPING=1" in pinger.messages, "the stop to begin")
+        await until(lambda: gate.began("ungate", key(b)), "b's ungate to begin (and hang)")
         if second_sigint:
             daemon.handle_exit(signal.SIGINT)
         code = await asyncio.wait_for(run, 10)
-        assert not stuck.is_set(), "the stop ended while b's ungate still hung"
+        assert not gate.did("ungate", key(b)), "the stop waited for b's hanging ungate"
         # What stays gated stays recorded, for kiwid recover.
         assert key(b) in StateFile(tmp_path / "state").load()
         return code
@@ -234,6 +251,7 @@ def test_a_stop_is_bounded_and_a_second_sigint_forces_it(
     try:
         assert asyncio.run(scenario()) == RUNTIME_FAILURE
     finally:
+        hang.cancel()
         stuck.set()
 
 

@@ -38,6 +38,26 @@ __all__ = ["ConfigWatcher", "Debouncer", "WatchError"]
 
 log = logging.getLogger(__name__)
 
+_STOP_RACE = "called when the thread is inactive"
+
+
+class _QuietStop(logging.Filter):
+    """Drop watchdog's ERROR about an event read while its inotify thread stops.
+
+    watchdog (7.x) logs ``InotifyEmitter.queue_events() called when the thread is
+    inactive`` when an event arrives in the watched directory while the observer
+    stops (kiwid's log file beside the config, say): the event is dropped, as a
+    stop drops any, and nothing failed. An ERROR line in every such stop would
+    hide the ones that matter.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether ``record`` is logged (every one but the stop race's)."""
+        return _STOP_RACE not in record.getMessage()
+
+
+_INOTIFY_LOG = logging.getLogger("watchdog.observers.inotify")
+
 _CONTENT_EVENTS = frozenset(
     {
         EVENT_TYPE_ATTRIB,  # `touch` to force a reload
@@ -176,6 +196,8 @@ class ConfigWatcher:
             self._stopping = True
             self._wakeup.notify_all()
         if self._observer is not None:
+            if not any(isinstance(f, _QuietStop) for f in _INOTIFY_LOG.filters):
+                _INOTIFY_LOG.addFilter(_QuietStop())
             self._observer.stop()
             self._observer.join(timeout_s)
         if self._thread is not None:

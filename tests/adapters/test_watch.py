@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -173,3 +174,30 @@ def test_missing_directory_and_double_start(tmp_path: Path, config: Path) -> Non
 def test_touch_triggers(config: Path, calls: Calls) -> None:
     os.utime(config)  # `touch /etc/kiwi.toml` forces a reload
     assert calls.wait_for(1)
+
+
+def test_a_stop_while_files_change_beside_the_config_logs_no_error(
+    tmp_path: Path, config: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # kiwid's log file, or anything else in the config's directory, changes as it stops.
+    busy = tmp_path / "kiwid.log"
+    for _ in range(20):
+        watcher = ConfigWatcher(config, lambda: None, debounce_s=DEBOUNCE_S)
+        watcher.start()
+        done = threading.Event()
+
+        def scribble(done: threading.Event = done) -> None:
+            with busy.open("a") as out:
+                while not done.is_set():
+                    out.write("a log line\n")
+                    out.flush()
+
+        writer = threading.Thread(target=scribble)
+        writer.start()
+        try:
+            with caplog.at_level(logging.DEBUG):
+                watcher.stop()
+        finally:
+            done.set()
+            writer.join(TIMEOUT_S)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

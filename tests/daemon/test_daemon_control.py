@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -211,3 +212,24 @@ def test_unprivileged_uid_reads_status_but_cannot_change_tq(start_kiwid, nobody_
     assert re.search(r"^\[ERROR\] changing the scheduler needs root.*uid 65534", refused.stderr)
     assert k.status()["gpus"][0]["tq"] == 30.0
     assert "New TQ" not in k.log_text()
+
+
+@pytest.mark.parametrize("client", ["idle", "mid-request", "unread-answers"])
+def test_a_stop_with_a_control_client_connected_logs_no_error(start_kiwid, client: str) -> None:
+    k = start_kiwid()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10)
+        conn.connect(str(k.socket))
+        conn.sendall(b'{"v": 1, "id": 0, "cmd": "ping"}\n')  # kiwid serves this connection
+        answer = b""
+        while not answer.endswith(b"\n"):
+            answer += conn.recv(65536)
+        if client == "mid-request":
+            conn.sendall(b'{"v": 1, "id": 1, "cmd": "sta')  # half a line, then nothing
+        elif client == "unread-answers":
+            conn.sendall(b'{"v": 1, "id": 1, "cmd": "status"}\n' * 200)
+        assert k.stop(signal.SIGTERM) == 0
+    log = k.log_text()
+    assert "Stopped; no tenant is gated" in log, log
+    assert "Traceback" not in log, log
+    assert "[ERROR]" not in log, log

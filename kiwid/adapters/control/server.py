@@ -193,6 +193,11 @@ class ControlServer:
         self._per_uid[peer.uid] += 1
         try:
             await self._session(reader, writer, peer)
+        except asyncio.CancelledError:
+            # close() ends the session (kiwid stops). The task ends normally all the
+            # same: asyncio's stream callback (Python 3.11) asks a cancelled task for
+            # its exception, which raises, and logs a traceback at ERROR.
+            writer.transport.abort()
         except ConnectionError:
             writer.transport.abort()  # it went away mid-answer
         except TimeoutError:  # only writes time out here: it does not read its answers

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from kiwid.adapters import procs
 from kiwid.core.events import ActivitySeen, Event, TenantAdopted
 from kiwid.daemon.context import Context
 from kiwid.daemon.gating.recovery import release_all, report_skipped, undo_with
@@ -53,6 +54,8 @@ def readopt(ctx: Context, poll: Callable[[Context], list[Event]]) -> None:
     gone: list[GatedRecord] = []
     for key, record in state.records.items():
         (adopted if key in engine.tracker.tenants else gone).append(record)
+    for record in gone:
+        _say_if_reused(record)
     release_all(state, gone, undo, previous)
     engine.apply([TenantAdopted(r.tenant, r.swapped) for r in adopted])
     engine.apply([e for e in first if isinstance(e, ActivitySeen)])
@@ -61,3 +64,24 @@ def readopt(ctx: Context, poll: Callable[[Context], list[Event]]) -> None:
         log.info("Re-adopted %s: %sit waits for its turn", record.tenant, where)
     if not state.records:
         state.clear()
+
+
+def _say_if_reused(record: GatedRecord) -> None:
+    """Log the recorded pids that another process has taken since (its start differs).
+
+    Such a record is not re-adopted: the process is not the tenant, and is left
+    alone (a swapped record is dropped with its host memory, nothing is restored
+    into it).
+    """
+    reused = [
+        pid
+        for pid, start in record.pid_starts().items()
+        if procs.alive(pid) and not procs.alive(pid, start)
+    ]
+    for pid in reused:
+        log.info(
+            "Not re-adopting %s: pid %d is another process now (its start time is not "
+            "the recorded one)",
+            record.tenant,
+            pid,
+        )

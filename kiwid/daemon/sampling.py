@@ -32,9 +32,13 @@ _ARRIVALS = (TenantAttached, TenantDetached, GpusConfigured)
 
 
 def hidden_tenants(records: Mapping[str, GatedRecord]) -> dict[str, Hidden]:
-    """Tenants whose memory the state file records in host RAM (kept while alive)."""
+    """Tenants whose memory the state file records in host RAM (kept while alive).
+
+    Alive means a recorded pid runs with its recorded start time: a pid reused
+    since names another process, which is never taken for the tenant.
+    """
     return {
-        key: Hidden(frozenset(r.pids), frozenset(r.swapped or ()))
+        key: Hidden(frozenset(r.pids), frozenset(r.swapped or ()), r.pid_starts())
         for key, r in records.items()
         if r.swapped
     }

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.daemon.conftest import KIWID, Kiwid, wait_for
+from tests.daemon.conftest import KIWID, V2_ROOT, Kiwid, wait_for
 
 GiB = 2**30
 CARD_GIB = 10  # with the 1 GiB reserve, two 4 GiB tenants fit and three do not
@@ -295,3 +295,41 @@ def test_a_swapped_tenant_that_died_is_dropped_at_stop(start_kiwid, tenants, wor
     assert k.stop(signal.SIGTERM) == 0, k.log_text()
     assert "Kept swapped" not in k.log_text()
     assert not (workdir / "state" / "state.json").exists()
+
+
+def test_a_swapped_record_whose_pid_now_names_another_process_is_dropped_untouched(
+    start_kiwid, tenants, workdir
+) -> None:
+    # The record's tenant died while kiwid was down, and its pid went to another
+    # process (here: one in the same cgroup path, frozen by someone else, paused).
+    other = tenants("other", busy=False)
+    (other.v2 / "cgroup.freeze").write_text("1")
+    wait_for(other.frozen, 5, "the other process to be paused")
+    start_ticks = int(Path(f"/proc/{other.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    record = {
+        "method": "freeze",
+        "cgroup_v2": "/" + str(other.v2.relative_to(V2_ROOT)),
+        "cgroup_v1_freezer": None,
+        "cgroup_ids": [other.v2.stat().st_ino, None],
+        "pids": [[other.pid, start_ticks - 1]],  # the pid, but not that process
+        "swapped": {"0": TENANT},
+        "swap_method": "sim",
+    }
+    state = workdir / "state"
+    state.mkdir(mode=0o700)
+    (state / "state.json").write_text(json.dumps({"version": 2, "gated": {other.key: record}}))
+    k = start(start_kiwid, workdir, tq=30)
+    log = k.log_text()
+    assert f"Dropped {other.key}" in log, log
+    assert f"pid {other.pid} is another process now" in log, log
+    assert other.key not in k.tenant_states()
+    assert (
+        not (state / "state.json").exists()
+        or other.key not in json.loads((state / "state.json").read_text())["gated"]
+    )
+    for _ in range(10):  # polls pass: kiwid never takes it for the swapped tenant
+        assert other.key not in k.tenant_states()
+        time.sleep(0.05)  # what is checked is that nothing happens meanwhile
+    assert other.frozen(), "kiwid must not touch a process it did not gate"
+    assert k.stop(signal.SIGTERM) == 0
+    assert other.frozen()

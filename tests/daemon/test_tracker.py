@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kiwid.daemon.tenants.tracker import Identity, Registration, TenantTracker
+from kiwid.daemon.tenants.tracker import Hidden, Identity, Registration, TenantTracker
 from kiwid.linux.proc import read_stat
 
 ME = os.getpid()
@@ -46,3 +46,14 @@ def test_a_reused_pid_is_another_process_and_the_container_expires(
 def test_a_cgroup_that_still_holds_a_process_keeps_its_container() -> None:
     tracker = tracker_with(start_of_me() + 1, occupied=True)
     assert "cgroup:/c" in tracker.registered and "cgroup:/c" in tracker.tenants
+
+
+@pytest.mark.parametrize(("offset", "kept"), [(0, True), (1, False)])
+def test_a_tenant_in_host_ram_is_kept_only_while_its_very_process_runs(
+    offset: int, kept: bool
+) -> None:
+    ident = Identity("pid:me", "process", "me")
+    tracker = TenantTracker(lambda pid: ident if pid == ME else None)
+    hidden = Hidden(frozenset({ME}), frozenset({"0"}), {ME: start_of_me() + offset})
+    tracker.observe([], 0.0, hidden={"cgroup:/swapped": hidden})
+    assert ("cgroup:/swapped" in tracker.tenants) is kept

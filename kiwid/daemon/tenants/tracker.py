@@ -70,16 +70,28 @@ class GpuSample:
     active_pids: frozenset[int]
 
 
+Alive = Callable[[int, int | None], bool]
+"""Whether a PID runs and, given its start time, is still that process."""
+
+
 @dataclass(frozen=True)
 class Hidden:
     """A tenant missing from the GPUs' process lists that must be kept all the same.
 
     Its memory is in host RAM (a checkpointed process vanishes from NVML's list);
-    the state file says so, with its processes and GPUs.
+    the state file says so, with its processes, their start times and its GPUs.
+    A process counts only if its pid and its start time both match: a pid reused
+    since is another process, which must never be taken for the tenant.
     """
 
     pids: frozenset[int]
     gpus: frozenset[str]
+    starts: Mapping[int, int | None] = field(default_factory=dict)
+    """Start time (clock ticks since boot) of each of ``pids`` (``None``: not known)."""
+
+    def live_pids(self, alive: Alive) -> set[int]:
+        """Its processes that still run, each the very process recorded."""
+        return {pid for pid in self.pids if alive(pid, self.starts.get(pid))}
 
 
 @dataclass
@@ -97,10 +109,6 @@ class Registration:
     starts: Mapping[int, int | None] = field(default_factory=dict)
     """Start time (clock ticks since boot) of each of ``pids`` when it registered: a
     PID reused since is another process (``None`` or absent: not known)."""
-
-
-Alive = Callable[[int, int | None], bool]
-"""Whether a PID runs and, given its start time, is still that process."""
 
 
 @functools.cache
@@ -168,9 +176,7 @@ class TenantTracker:
         samples = list(samples)
         lost_set = frozenset(lost_gpus)
         self._expire_registrations()
-        keep = {
-            k: h for k, h in (hidden or {}).items() if any(self._alive(p, None) for p in h.pids)
-        }
+        keep = {k: h for k, h in (hidden or {}).items() if h.live_pids(self._alive)}
         # An idle node's polls repeat themselves: nothing to diff, nothing to say.
         # (Activity is news every time: it keeps a burst alive.)
         key = (
@@ -207,7 +213,7 @@ class TenantTracker:
                 pids[tid] = set(reg.pids)
         for tid, h in keep.items():  # swapped out: invisible, not gone
             if tid not in gpus:
-                alive = {pid for pid in h.pids if self._lookup(pid) is not None}
+                alive = {p for p in h.live_pids(self._alive) if self._lookup(p) is not None}
                 if alive:
                     gpus[tid] = set(h.gpus)
                     pids[tid] = alive

@@ -13,6 +13,7 @@ from typing import Any
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
 from kiwid.cli import explain, top
 from kiwid.cli.status_text import format_number, format_status, format_tenants
+from kiwid.cli.workloads_text import format_workloads
 from kiwid.core.model import TenantPolicy
 
 DEFAULT_SOCKET = "/run/kiwi/kiwid.sock"
@@ -40,10 +41,13 @@ examples:
   kiwictl tenants             every process or container kiwid knows
   kiwictl top                 live view of every GPU: holder, queue, shares (q quits)
   kiwictl explain 4f2a        why that tenant waits or idles (id, container id, pod or PID)
+  kiwictl workloads           what kiwid remembers of each workload's earlier runs
+  kiwictl forget 'unit train.service'
+                              forget one: its next run is a newcomer again
 
-Changing the scheduler (-T, -S) needs root or membership of the admin group
-(admin_group in /etc/kiwi.toml, default "kiwi"); status and tenants are open
-to every local user.
+Changing the scheduler (-T, -S, set-weight, set-priority, forget) needs root or
+membership of the admin group (admin_group in /etc/kiwi.toml, default "kiwi");
+status, tenants and workloads are open to every local user.
 
 exit status:
   0  success
@@ -92,12 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (
         ("status", "show who holds each GPU, who waits, and the settings in force"),
         ("tenants", "list the tenants (processes or containers) kiwid knows"),
+        (
+            "workloads",
+            "list the workloads kiwid remembers from earlier runs: the peak GPU memory "
+            "it sizes their next run by, when each was last seen, and whether a failed "
+            "checkpoint keeps it on the card (why, and until when)",
+        ),
     ):
         cmd = sub.add_parser(name, help=text, description=text)
         _add_socket(cmd, argparse.SUPPRESS)  # accepted after the command too
         cmd.add_argument("--json", action="store_true", help="print the daemon's JSON as is")
     _add_top(sub)
     _add_explain(sub)
+    _add_forget(sub)
     for name, what, kind in (
         ("set-weight", f"weight: its quantum is TQ x weight ({TenantPolicy.WEIGHT_RANGE})", float),
         (
@@ -152,6 +163,17 @@ def _add_top(sub: Any) -> None:
     cmd.add_argument("--once", action="store_true", help="print one frame and exit (for scripts)")
 
 
+def _add_forget(sub: Any) -> None:
+    text = (
+        "forget one remembered workload now (its footprint and any failed-checkpoint "
+        "mark): its next run is a newcomer again, and may be swapped. Tenants running "
+        "it now keep what they were told; their runs are remembered anew when they end"
+    )
+    cmd = sub.add_parser("forget", help=text, description=text)
+    _add_socket(cmd, argparse.SUPPRESS)
+    cmd.add_argument("workload", metavar="WORKLOAD", help="its name as kiwictl workloads lists it")
+
+
 def _add_explain(sub: Any) -> None:
     text = "say in plain words why a tenant waits or idles, who is ahead, and its ledger"
     cmd = sub.add_parser("explain", help=text, description=text)
@@ -193,12 +215,24 @@ def _run(args: argparse.Namespace) -> int:
         return explain.run(path, args.tenant, as_json=args.json)
     if args.command in ("set-weight", "set-priority"):
         return _set_policy(path, args.command, args.tenant, args.value)
+    if args.command == "forget":
+        result = request(path, "forget-workload", {"workload": args.workload})
+        print(f"[INFO] Forgot workload {result['forgotten']!r}: its next run is a newcomer.")
+        if not result.get("saved", True):
+            print(
+                "[WARNING] kiwid could not save its workloads file (its log says why): "
+                "the workload is forgotten until kiwid restarts",
+                file=sys.stderr,
+            )
+        return EXIT_OK
     if args.command is not None:
         result = request(path, args.command)
         if args.json:
             print(json.dumps(result, indent=2, sort_keys=True))
         elif args.command == "status":
             print(format_status(result))
+        elif args.command == "workloads":
+            print(format_workloads(result))
         else:
             print(format_tenants(result.get("tenants") or []))
         return EXIT_OK

@@ -60,9 +60,14 @@ def _within(
 ) -> Rule:
     """A number of ``kind`` from ``low`` to ``high`` inclusive; no ``high``: no upper bound."""
     noun = "an integer number" if kind is int else "a number"
-    bounds = f">= {low:g}" if high is None else f"from {low:g} to {high:g}"
+    bounds = f">= {_num(low)}" if high is None else f"from {_num(low)} to {_num(high)}"
     top = math.inf if high is None else high
     return Rule(attr, kind, f"{noun} of {unit} {bounds}", lambda v: low <= v <= top)
+
+
+def _num(value: float) -> str:
+    """A bound as a message writes it: whole numbers in full (31536000, not 3.1536e+07)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 def _choice(attr: str, options: Collection[str]) -> Rule:
@@ -142,6 +147,7 @@ MEMORY_RULES = {
     "host_floor_mib": _within("host_floor_mib", int, "MiB", 0),
     "checkpoint_lanes": _within("checkpoint_lanes", int, "concurrent checkpoints", 1, 8),
     "newcomer": _choice("newcomer", NEWCOMERS),
+    "checkpoint_retry_after": _within("checkpoint_retry_after", float, "seconds", 0, 365 * 86400),
 }
 METRICS_RULES = {
     "listen": Rule("listen", str, '"host:port" or "" (off)', lambda v: v == "" or _host_port(v)),

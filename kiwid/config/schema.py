@@ -285,6 +285,14 @@ class MemorySettings:
     made room for: a faster first turn, but a job that then grows beyond what is
     free runs out of memory. Default ``"whole-card"``."""
 
+    checkpoint_retry_after: float = 86400.0
+    """Seconds after which a workload whose checkpoint the driver failed is tried
+    again (its runs are kept on the card until then). Drivers and applications
+    change: an upgrade may checkpoint what an older driver could not, and the job
+    may stop using CUDA IPC or managed memory. ``kiwictl workloads`` shows when
+    each mark expires; ``kiwictl forget`` clears one at once. Default 86400 (a
+    day); 0 tries again at every run. Range 0 to 31536000 (a year)."""
+
 
 @dataclass(frozen=True)
 class MetricsSettings:

@@ -177,6 +177,8 @@ def assemble(
         started=clock(),
     )
     ctx.tenant_policies.reload(settings.tenants)
+    # memory.checkpoint_retry_after as in force now: read from the settings a reload swaps.
+    workloads.retry_after_s = lambda: ctx.settings.memory.checkpoint_retry_after
     engine.executor.lanes = lanes or ctx.lanes()
     engine.effects.guards = SwapGuards(
         free_bytes=ctx.free_bytes,

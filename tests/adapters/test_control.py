@@ -922,13 +922,15 @@ def test_new_commands_check_their_argument_types(
 def test_the_command_table_is_public_and_typed() -> None:
     levels = {name: spec.access for name, spec in COMMANDS.items()}
     assert levels == {
-        **dict.fromkeys(["ping", "status", "tenants"], Access.READ),
+        **dict.fromkeys(["ping", "status", "tenants", "workloads"], Access.READ),
         **dict.fromkeys(["set-tq", "set-mode", "set-weight", "set-priority"], Access.ADMIN),
+        "forget-workload": Access.ADMIN,
         **dict.fromkeys(["sim-attach", "sim-detach", "sim-foreign"], Access.ADMIN),
         **dict.fromkeys(["register", "unregister"], Access.ROOT),
     }
     assert COMMANDS["set-weight"].args == {"tenant": Arg(Kind.STRING), "weight": Arg(Kind.NUMBER)}
     assert COMMANDS["set-priority"].args["priority"] == Arg(Kind.INTEGER)
+    assert COMMANDS["forget-workload"].args == {"workload": Arg(Kind.STRING)}
     assert COMMANDS["register"].args["pod"] == Arg(Kind.STRING, required=False, nullable=True)
     with pytest.raises(TypeError):
         COMMANDS["ping"] = COMMANDS["status"]  # type: ignore[index]

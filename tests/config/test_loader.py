@@ -51,6 +51,7 @@ KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
     ("memory", "host_floor_mib"): ("memory", "host_floor_mib", "0", 0),
     ("memory", "checkpoint_lanes"): ("memory", "checkpoint_lanes", "2", 2),
     ("memory", "newcomer"): ("memory", "newcomer", '"free"', "free"),
+    ("memory", "checkpoint_retry_after"): ("memory", "checkpoint_retry_after", "3600", 3600.0),
     ("metrics", "listen"): ("metrics", "listen", '"127.0.0.1:9417"', "127.0.0.1:9417"),
     ("kubernetes", "resource"): ("kubernetes", "resource", '"example.com/gpu"', "example.com/gpu"),
     ("kubernetes", "replicas"): ("kubernetes", "replicas", "8", 8),
@@ -183,6 +184,7 @@ POLL = "must be a number of seconds from 0.05 to 60"
 DEVICES = "must be an integer number of devices from 1 to 64"
 LANES = "must be an integer number of concurrent checkpoints from 1 to 8"
 MIB = "must be an integer number of MiB >= 0"
+RETRY = "must be a number of seconds from 0 to 31536000"
 SOCKET = "must be an absolute path of at most 107 bytes"
 
 
@@ -211,6 +213,10 @@ SOCKET = "must be an absolute path of at most 107 bytes"
         ("memory.checkpoint_lanes = 9", LANES),
         ("memory.checkpoint_lanes = 1.5", f"{LANES}, not a float"),
         ('memory.newcomer = "all"', 'must be one of "whole-card", "free"'),
+        ("memory.checkpoint_retry_after = -1", RETRY),
+        ("memory.checkpoint_retry_after = 31536001", RETRY),
+        ("memory.checkpoint_retry_after = inf", RETRY),
+        ('memory.checkpoint_retry_after = "1d"', f"{RETRY}, not a string"),
         ('control.socket = "kiwid.sock"', SOCKET),
         ('control.admin_group = ""', "must be a group name"),
         ('daemon.state_dir = "run/kiwi"', "must be an absolute path of at most 4095 bytes"),

@@ -261,3 +261,114 @@ def test_nccl_between_processes_cannot_be_checkpointed(tmp_path: Path) -> None:
                 if stream is not None:
                     stream.close()
         shm.unlink()
+
+
+# ---- what an operator sees and changes: expiry of a failed checkpoint, forget ----
+
+
+class Clock:
+    """A wall clock the test sets (unix seconds)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+NCCL = "systemd:nccl.service"
+NOT_SUPPORTED = TenantUnswappable(
+    NCCL, "a checkpoint of its workload failed before: CUDA_ERROR_NOT_SUPPORTED"
+)
+
+
+def book_at(tmp_path: Path, clock: Clock, retry_s: list[float]) -> WorkloadBook:
+    return WorkloadBook(tmp_path, clock=clock, retry_after_s=lambda: retry_s[0])
+
+
+def a_failed_checkpoint(tmp_path: Path, clock: Clock, retry_s: list[float]) -> None:
+    book = book_at(tmp_path, clock, retry_s)
+    t = {NCCL: info(NCCL, 8 * GiB, {1})}
+    book.events(t)
+    book.observe(t)
+    book.checkpoint_failed(NCCL, "CUDA_ERROR_NOT_SUPPORTED")  # saved at once
+
+
+def test_a_failed_checkpoint_is_tried_again_after_checkpoint_retry_after(
+    tmp_path: Path,
+) -> None:
+    clock, retry = Clock(1000.0), [100.0]
+    a_failed_checkpoint(tmp_path, clock, retry)
+    clock.now = 1099.0
+    before = book_at(tmp_path, clock, retry)
+    (entry,) = before.listing()
+    assert entry["workload"] == "unit nccl.service"
+    assert (entry["unswappable"], entry["why"]) == (True, "CUDA_ERROR_NOT_SUPPORTED")
+    assert (entry["marked_unix"], entry["until_unix"]) == (1000.0, 1100.0)
+    assert NOT_SUPPORTED in before.events({NCCL: info(NCCL, 0, {2})})
+    clock.now = 1100.0  # the mark has expired: the next run may be swapped
+    after = book_at(tmp_path, clock, retry)
+    assert after.events({NCCL: info(NCCL, 0, {3})}) == [FootprintRemembered(NCCL, 8 * GiB)]
+    (entry,) = after.listing()
+    assert (entry["unswappable"], entry["why"], entry["until_unix"]) == (False, None, None)
+    assert entry["peak_bytes"] == 8 * GiB  # only the mark goes
+    after.save()
+    saved = json.loads(after.path.read_text())["workloads"]["unit nccl.service"]
+    assert saved["checkpoint_failed"] is None
+
+
+def test_the_retry_delay_is_read_when_needed_so_a_reload_changes_it(tmp_path: Path) -> None:
+    clock, retry = Clock(1000.0), [100.0]
+    a_failed_checkpoint(tmp_path, clock, retry)
+    book = book_at(tmp_path, clock, retry)
+    retry[0] = 7200.0  # memory.checkpoint_retry_after reloaded
+    clock.now = 2000.0
+    (entry,) = book.listing()
+    assert (entry["unswappable"], entry["until_unix"]) == (True, 8200.0)
+    assert NOT_SUPPORTED in book.events({NCCL: info(NCCL, 0, {2})})
+
+
+def test_a_mark_saved_without_its_time_counts_from_when_it_was_read(tmp_path: Path) -> None:
+    entry = {"peak_bytes": 5, "seen_unix": 1.0, "checkpoint_failed": "CUDA_ERROR_UNKNOWN"}
+    doc = {"version": 1, "workloads": {"unit old.service": entry}}
+    (tmp_path / "workloads.json").write_text(json.dumps(doc))
+    book = book_at(tmp_path, Clock(5000.0), [100.0])
+    (listed,) = book.listing()
+    assert (listed["unswappable"], listed["marked_unix"], listed["until_unix"]) == (
+        True,
+        5000.0,
+        5100.0,
+    )
+    book.save()
+    saved = json.loads(book.path.read_text())["workloads"]["unit old.service"]
+    assert saved["checkpoint_failed_unix"] == 5000.0
+
+
+def test_a_passing_checkpoint_failure_is_not_remembered(tmp_path: Path) -> None:
+    book = WorkloadBook(tmp_path)
+    t = {NCCL: info(NCCL, 8 * GiB, {1})}
+    book.events(t)
+    book.observe(t)
+    book.checkpoint_failed(NCCL, "out of host memory", permanent=False)
+    assert book.get("unit nccl.service").checkpoint_failed is None  # type: ignore[union-attr]
+    book.events({})
+    book.save()
+    again = WorkloadBook(tmp_path)
+    assert NOT_SUPPORTED not in again.events({NCCL: info(NCCL, 0, {2})})
+    assert again.listing()[0]["unswappable"] is False
+
+
+def test_forget_drops_one_workload_and_saves_at_once(tmp_path: Path) -> None:
+    clock, retry = Clock(1000.0), [100.0]
+    a_failed_checkpoint(tmp_path, clock, retry)
+    book = book_at(tmp_path, clock, retry)
+    other = {"systemd:x.service": info("systemd:x.service", GiB, {4})}
+    book.events(other)
+    book.observe(other)
+    assert book.forget("unit nccl.service") is True  # saved
+    saved = json.loads(book.path.read_text())["workloads"]
+    assert set(saved) == {"unit x.service"}
+    assert [e["workload"] for e in book.listing()] == ["unit x.service"]
+    with pytest.raises(KeyError):
+        book.forget("unit nccl.service")
+    assert book_at(tmp_path, clock, retry).events({NCCL: info(NCCL, 0, {5})}) == []

@@ -107,6 +107,8 @@ COMMANDS: Mapping[str, CommandSpec] = MappingProxyType(
         "ping": CommandSpec(Access.READ),
         "status": CommandSpec(Access.READ),
         "tenants": CommandSpec(Access.READ),
+        "workloads": CommandSpec(Access.READ),
+        "forget-workload": CommandSpec(Access.ADMIN, _args(workload=Arg(Kind.STRING))),
         "set-tq": CommandSpec(
             Access.ADMIN,
             _args(tq=Arg(Kind.NUMBER), gpu=Arg(Kind.STRING, required=False)),

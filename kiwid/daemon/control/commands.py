@@ -97,6 +97,33 @@ async def _tenants(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     }
 
 
+async def _workloads(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    book = c.ctx.workloads
+    return {
+        "now_unix": book.now(),
+        "retry_after_s": book.retry_after_s(),
+        "workloads": book.listing(),
+    }
+
+
+async def _forget_workload(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    workload = args["workload"]
+    try:
+        saved = c.ctx.workloads.forget(workload)
+    except KeyError:
+        raise ControlError(
+            "invalid-value",
+            f"no remembered workload {workload!r} (kiwictl workloads lists them)",
+        ) from None
+    log.info(
+        "Forgot workload %s (uid %d): its next run is a newcomer; tenants running it now "
+        "keep what they were told",
+        workload,
+        peer.uid,
+    )
+    return {"forgotten": workload, "saved": saved}
+
+
 async def _set_tq(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     tq = args["tq"]
     if not math.isfinite(tq) or tq <= 0:
@@ -251,6 +278,8 @@ HANDLERS: dict[str, Handler] = {
     "ping": _ping,
     "status": _status,
     "tenants": _tenants,
+    "workloads": _workloads,
+    "forget-workload": _forget_workload,
     "set-tq": _set_tq,
     "set-mode": _set_mode,
     "sim-attach": _sim_attach,

@@ -5,9 +5,12 @@ pod's next replica, a unit restarted, the same script run again). kiwid keeps,
 per workload, the most GPU memory its last run used and whether the driver failed
 to checkpoint it, in ``<state_dir>/workloads.json`` (0600, written atomically:
 at most every ``SAVE_EVERY_S`` when something changed, at once after a failed
-checkpoint, and when kiwid stops). A recurring job is then
+checkpoint or a ``forget``, and when kiwid stops). A recurring job is then
 sized from its last run instead of taking the whole card as a newcomer, and a job
-the driver could not checkpoint is kept on the card from its first turn.
+the driver could not checkpoint is kept on the card from its first turn, until
+``memory.checkpoint_retry_after`` has passed since the failure (drivers and
+applications change). ``kiwictl workloads`` lists what is remembered and
+``kiwictl forget`` clears one workload.
 
 A workload is named, most stable first, by:
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import shlex
 import threading
@@ -29,8 +33,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
+from kiwid.config.schema import MemorySettings
 from kiwid.core.events import Event, FootprintRemembered, TenantUnswappable
 from kiwid.daemon.tenants.tracker import Identity, TenantInfo
 from kiwid.linux import proc
@@ -44,6 +49,7 @@ MAX_WORKLOADS = 4096
 """The least recently seen are forgotten beyond this many."""
 MAX_BYTES = 8 * 1024 * 1024
 SAVE_EVERY_S = 30.0
+_DEFAULT_RETRY_AFTER_S = MemorySettings().checkpoint_retry_after
 # Suffixes Kubernetes controllers add to pod names: a ReplicaSet's pod-template
 # hash and a pod's random tail (both in the alphabet of rand.SafeEncodeString),
 # a CronJob's scheduled time in minutes.
@@ -97,16 +103,30 @@ class Remembered:
     """The most GPU memory one of its tenants used on one GPU, in its last run."""
     seen_unix: float = 0.0
     checkpoint_failed: str | None = None
-    """Why the driver failed to checkpoint it (kept: it is never swapped again)."""
+    """Why the driver failed to checkpoint it: its runs stay on the card until the
+    mark expires (``memory.checkpoint_retry_after`` after ``checkpoint_failed_unix``)."""
+    checkpoint_failed_unix: float | None = None
+    """When that mark was set (a file without it: when the file was read)."""
 
 
 class WorkloadBook:
     """The remembered workloads, and which tenant runs which."""
 
-    def __init__(self, state_dir: Path | str, clock: Callable[[], float] = time.time) -> None:
-        """Read ``<state_dir>/workloads.json`` (nothing if absent or unusable)."""
+    def __init__(
+        self,
+        state_dir: Path | str,
+        clock: Callable[[], float] = time.time,
+        retry_after_s: Callable[[], float] = lambda: _DEFAULT_RETRY_AFTER_S,
+    ) -> None:
+        """Read ``<state_dir>/workloads.json`` (nothing if absent or unusable).
+
+        ``clock`` is the wall clock (unix seconds: the file outlives boots);
+        ``retry_after_s`` says ``memory.checkpoint_retry_after`` as it is now (a
+        reload changes it).
+        """
         self.path = Path(state_dir) / FILE_NAME
         self._clock = clock
+        self.retry_after_s = retry_after_s
         self._known: dict[str, Remembered] = self._read()
         self._of: dict[str, str | None] = {}  # tenant -> its workload (None: unnamed)
         self._identity: dict[str, Identity] = {}  # tenant -> the identity it was named by
@@ -120,6 +140,10 @@ class WorkloadBook:
     def __len__(self) -> int:
         """How many workloads are remembered."""
         return len(self._known)
+
+    def now(self) -> float:
+        """The book's clock now (unix seconds): what ``listing``'s times compare with."""
+        return self._clock()
 
     def get(self, workload: str) -> Remembered | None:
         """What is remembered of ``workload``."""
@@ -155,10 +179,69 @@ class WorkloadBook:
                 if known.peak_bytes > 0:
                     events.append(FootprintRemembered(tenant, known.peak_bytes))
                     log.info("%s runs %s again: sized from its last run", tenant, workload)
+                if known.checkpoint_failed and self._expired(known):
+                    log.info(
+                        "%s runs %s, whose checkpoint failed %s s ago (%s): it may be "
+                        "swapped again (memory.checkpoint_retry_after)",
+                        tenant,
+                        workload,
+                        f"{self._clock() - (known.checkpoint_failed_unix or 0):.0f}",
+                        known.checkpoint_failed,
+                    )
+                    known.checkpoint_failed = known.checkpoint_failed_unix = None
+                    self._dirty = True
                 if known.checkpoint_failed:
                     why = f"a checkpoint of its workload failed before: {known.checkpoint_failed}"
                     events.append(TenantUnswappable(tenant, why))
             return events
+
+    def _expired(self, entry: Remembered) -> bool:
+        """Whether ``entry``'s failed-checkpoint mark is older than the retry delay."""
+        marked = entry.checkpoint_failed_unix
+        return marked is not None and self._clock() >= marked + self.retry_after_s()
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Every remembered workload, by name, for ``kiwictl workloads``.
+
+        A mark that has expired is shown as none (it is cleared when the workload
+        runs again); ``until_unix`` is when a mark expires.
+        """
+        with self._lock:
+            running: dict[str, list[str]] = {}
+            for tenant, workload in self._of.items():
+                if workload is not None:
+                    running.setdefault(workload, []).append(tenant)
+            out: list[dict[str, Any]] = []
+            for workload, entry in sorted(self._known.items()):
+                marked = bool(entry.checkpoint_failed) and not self._expired(entry)
+                at = entry.checkpoint_failed_unix if marked else None
+                out.append(
+                    {
+                        "workload": workload,
+                        "peak_bytes": entry.peak_bytes,
+                        "seen_unix": round(entry.seen_unix, 3),
+                        "unswappable": marked,
+                        "why": entry.checkpoint_failed if marked else None,
+                        "marked_unix": None if at is None else round(at, 3),
+                        "until_unix": None if at is None else round(at + self.retry_after_s(), 3),
+                        "tenants": sorted(running.get(workload, ())),
+                    }
+                )
+            return out
+
+    def forget(self, workload: str) -> bool:
+        """Forget one workload now (the file is saved at once); whether it was saved.
+
+        Tenants running it keep what they were told; their runs, when they end,
+        are remembered anew.
+
+        Raises:
+            KeyError: ``workload`` is not remembered.
+        """
+        with self._lock:
+            del self._known[workload]
+            self._dirty = True
+            return self.save()
 
     def observe(self, tenants: dict[str, TenantInfo]) -> None:
         """Note each tenant's footprint: its run's peak, and its workload's if higher."""
@@ -176,12 +259,22 @@ class WorkloadBook:
                     entry.peak_bytes = peak
                     self._dirty = True
 
-    def checkpoint_failed(self, tenant: str, reason: str) -> None:
-        """The driver could not checkpoint ``tenant``: remember it of its workload."""
+    def checkpoint_failed(self, tenant: str, reason: str, permanent: bool = True) -> None:
+        """The driver could not checkpoint ``tenant``: remember it of its workload.
+
+        Only a ``permanent`` failure says something of the workload (what the
+        driver cannot checkpoint); a passing one (out of host memory, say) is
+        not remembered.
+        """
+        if not permanent:
+            log.debug("Not remembering %s's failed checkpoint (%s): it may pass", tenant, reason)
+            return
         with self._lock:
             workload = self._of.get(tenant)
             if workload is not None:
-                self._entry(workload).checkpoint_failed = reason
+                entry = self._entry(workload)
+                entry.checkpoint_failed = reason
+                entry.checkpoint_failed_unix = self._clock()
                 self._dirty = True
                 self.save()
 
@@ -216,6 +309,7 @@ class WorkloadBook:
                         "peak_bytes": r.peak_bytes,
                         "seen_unix": round(r.seen_unix, 3),
                         "checkpoint_failed": r.checkpoint_failed,
+                        "checkpoint_failed_unix": r.checkpoint_failed_unix,
                     }
                     for w, r in sorted(self._known.items())
                 },
@@ -250,7 +344,7 @@ class WorkloadBook:
             return {}
         known: dict[str, Remembered] = {}
         for workload, item in items.items():
-            entry = _remembered(item)
+            entry = _remembered(item, self._clock())
             if entry is None:
                 log.warning(
                     "Ignoring the entry %r of %s: not of the saved shape", workload, self.path
@@ -260,18 +354,33 @@ class WorkloadBook:
         return known
 
 
-def _remembered(item: object) -> Remembered | None:
+def _remembered(item: object, now: float) -> Remembered | None:
+    """One saved entry, or ``None`` if not of the saved shape.
+
+    A failed-checkpoint mark saved without its time (by a kiwid before
+    ``memory.checkpoint_retry_after``) counts from ``now``, when it is read.
+    """
     if not isinstance(item, dict):
         return None
-    peak, seen, failed = (
+    peak, seen, failed, failed_at = (
         item.get("peak_bytes"),
         item.get("seen_unix"),
         item.get("checkpoint_failed"),
+        item.get("checkpoint_failed_unix"),
     )
     if not isinstance(peak, int) or isinstance(peak, bool) or peak < 0:
         return None
-    if not isinstance(seen, int | float) or isinstance(seen, bool):
+    if not _is_number(seen):
         return None
     if failed is not None and not isinstance(failed, str):
         return None
-    return Remembered(peak, float(seen), failed)
+    if failed_at is not None and not _is_number(failed_at):
+        return None
+    if not failed:
+        return Remembered(peak, float(seen))
+    return Remembered(peak, float(seen), failed, now if failed_at is None else float(failed_at))
+
+
+def _is_number(value: object) -> TypeGuard[float]:
+    """A finite JSON number (a boolean is none)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

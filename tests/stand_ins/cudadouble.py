@@ -219,7 +219,8 @@ class DriverDouble:
         """Start ``cuda_tenant.py``; return once its ``processes`` have a context.
 
         Raises:
-            RuntimeError: it exited first (e.g. out of memory) or took too long.
+            RuntimeError: it exited first (e.g. out of memory) or took too long; what
+                it started is ended.
         """
         argv = [sys.executable, str(TENANT), "--memory", str(memory)]
         argv += ["--processes", str(processes)]
@@ -234,6 +235,7 @@ class DriverDouble:
         deadline = time.monotonic() + timeout
         while len(tenant.pids()) < processes:
             if proc.poll() is not None or time.monotonic() > deadline:
+                self.close([tenant])
                 raise RuntimeError(
                     f"cuda_tenant: {len(tenant.pids())} of {processes} processes have a "
                     f"context (exit code {proc.poll()}; out of memory?)"
@@ -241,9 +243,9 @@ class DriverDouble:
             time.sleep(0.01)
         return tenant
 
-    def close(self) -> None:
-        """End every tenant started here, and wait until its processes are gone."""
-        for tenant in self.tenants:
+    def close(self, tenants: list[CudaTenant] | None = None) -> None:
+        """End the tenants (default: every one started here); wait until they are gone."""
+        for tenant in self.tenants if tenants is None else tenants:
             pids = {tenant.pid, *tenant.pids()}
             if tenant.cgroup is not None:
                 with contextlib.suppress(OSError):

@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,8 +73,8 @@ def locked(directory: Path) -> Iterator[None]:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``path`` through a temporary file and a rename."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    """Write ``path`` through a temporary file (a name of this thread's) and a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 

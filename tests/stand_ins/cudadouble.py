@@ -175,19 +175,24 @@ class DriverDouble:
             text = f"hang {float(arg or 0):g} {times}"
         else:
             text = f"{kind} {times}"
-        cudadir.write_atomic(self.directory / "faults" / f"{pid}.{op}", text + "\n")
+        self._write_fault(pid, op, text)
 
     def clear(self, pid: int, op: str) -> None:
         """End the fault of ``op`` on ``pid`` (a hang returns; a stuck process un-sticks)."""
-        cudadir.write_atomic(self.directory / "faults" / f"{pid}.{op}", "none\n")
+        self._write_fault(pid, op, "none")
+
+    def _write_fault(self, pid: int, op: str, text: str) -> None:
+        with cudadir.locked(self.directory):  # not between a call's read and countdown
+            cudadir.write_atomic(self.directory / "faults" / f"{pid}.{op}", text + "\n")
 
     def faults(self) -> dict[str, str]:
         """The fault files now, by ``PID.OP``."""
-        return {
-            f.name: f.read_text().strip()
-            for f in sorted((self.directory / "faults").iterdir())
-            if not f.name.endswith(".tmp")
-        }
+        with cudadir.locked(self.directory):
+            return {
+                f.name: f.read_text().strip()
+                for f in sorted((self.directory / "faults").iterdir())
+                if not f.name.endswith(".tmp")
+            }
 
     # -- what the card holds
 

@@ -1,5 +1,8 @@
 """Shared fixtures for adapter tests: real cgroups and real child processes.
 
+``double`` is a fresh card of the driver double (``tests/stand_ins/cudadouble.py``)
+on the stand-in libcuda, built once per session; it ends the tenants it started.
+
 ``sandbox`` gives each test a private top cgroup ``/kiwi-test-<random>`` in the
 cgroup2 hierarchy and in the v1 freezer hierarchy (where mounted), and spawns
 child processes. Whatever happens in the test, teardown thaws every cgroup under
@@ -21,6 +24,8 @@ import pytest
 
 from kiwid.adapters.cgroups import CgroupLayout, CgroupRef
 from tests.helpers import wait_for
+from tests.stand_ins import cudadir
+from tests.stand_ins.cudadouble import DriverDouble, NoCompiler, build_library
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 SLEEP = ["sleep", "300"]
@@ -118,3 +123,25 @@ def sandbox(layout: CgroupLayout) -> Iterator[Sandbox]:
         yield box
     finally:
         box.teardown()
+
+
+@pytest.fixture(scope="session")
+def cuda_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stand-in libcuda.so.1, built once (skips without a C compiler)."""
+    try:
+        return build_library(tmp_path_factory.mktemp("cudadouble"))
+    except NoCompiler as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture
+def double(
+    tmp_path: Path, cuda_library: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[DriverDouble]:
+    """A 10 GiB card of the driver double, instant swaps; this process sees it too."""
+    card = DriverDouble(tmp_path / "cuda", 10 * 2**30, library=cuda_library)
+    monkeypatch.setenv(cudadir.ENVIRONMENT, str(card.directory))
+    try:
+        yield card
+    finally:
+        card.close()

@@ -925,7 +925,7 @@ def test_the_command_table_is_public_and_typed() -> None:
         **dict.fromkeys(["ping", "status", "tenants", "workloads"], Access.READ),
         **dict.fromkeys(["set-tq", "set-mode", "set-weight", "set-priority"], Access.ADMIN),
         "forget-workload": Access.ADMIN,
-        **dict.fromkeys(["sim-attach", "sim-detach", "sim-foreign"], Access.ADMIN),
+        **dict.fromkeys(["sim-attach", "sim-detach", "sim-foreign", "sim-fault"], Access.ADMIN),
         **dict.fromkeys(["register", "unregister"], Access.ROOT),
     }
     assert COMMANDS["set-weight"].args == {"tenant": Arg(Kind.STRING), "weight": Arg(Kind.NUMBER)}

@@ -3,6 +3,15 @@
 Put this directory first on ``PYTHONPATH`` and ``import pynvml`` gets
 :mod:`tests.stand_ins.pynvml`; that is how a real ``python -m kiwid`` in a test
 runs its NVML backend on a machine without a GPU.
+
+The driver double stands in for ``libcuda.so.1``'s checkpoint API, so that a
+real kiwid runs its CUDA lock gate and checkpoint swaps too:
+``libcuda_standin.c`` (the C library, with the layout of its state directory),
+:mod:`tests.stand_ins.cudadir` (that layout for Python; the stand-in pynvml
+shows a device whose ``"cuda"`` names such a directory),
+:mod:`tests.stand_ins.cuda_tenant` (a program whose processes "use the GPU")
+and :mod:`tests.stand_ins.cudadouble` (build, configure, inject faults, start
+tenants).
 """
 
 from __future__ import annotations

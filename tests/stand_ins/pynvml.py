@@ -63,6 +63,15 @@ samples, which is what the H200 showed for a frozen process. As on a real GPU,
 a process that starts running between pynvml's size query and its fetch makes
 the fetch fail with ``NVML_ERROR_INSUFFICIENT_SIZE``.
 
+A device may take its card from the driver double instead (``"cuda":
+"/path"``, the directory of ``tests/stand_ins/libcuda_standin.c``, see
+:mod:`cudadir`): its total memory is the double's capacity, its used memory the
+resident processes' plus the foreign memory, its compute processes the double's
+processes that are not CHECKPOINTED (a checkpointed process vanishes from the
+list, as on the H200), each ``live``, and sampled only while not LOCKED (a
+locked process does no GPU work). The double's ``lost`` file makes every call
+on the device fail with ``GPU_IS_LOST``.
+
 The module's own test hooks, which pynvml lacks, start with ``_standin``.
 """
 
@@ -79,6 +88,11 @@ from ctypes import POINTER, Structure, c_uint, c_ulonglong, create_string_buffer
 from functools import wraps
 from pathlib import Path
 from typing import Any, ClassVar
+
+if __package__:  # tests.stand_ins.pynvml
+    from tests.stand_ins import cudadir as _cudadir
+else:  # the top-level pynvml: tests/stand_ins is on sys.path
+    import cudadir as _cudadir
 
 _STANDIN_ENVIRONMENT = "KIWI_STANDIN_NVML"
 
@@ -334,6 +348,14 @@ def _proc_state(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
+def _device_error(device: dict[str, Any], symbol: str) -> int:
+    """The code a call on ``device`` returns before its work: its errors, a lost double."""
+    if device.get("cuda") and _cudadir.lost(Path(device["cuda"])):
+        return NVML_ERROR_GPU_IS_LOST
+    errors = device.get("errors", {})
+    return _code(errors.get(symbol, errors.get("*", NVML_SUCCESS)))
+
+
 class _Library:
     """The simulated ``libnvidia-ml.so.1``: C functions by exported symbol name.
 
@@ -396,12 +418,13 @@ class _Library:
         if index >= len(devices):
             return NVML_ERROR_GPU_NOT_FOUND, {}
         device = devices[index]
-        errors = device.get("errors", {})
-        return _code(errors.get(symbol, errors.get("*", NVML_SUCCESS))), device
+        return _device_error(device, symbol), device
 
     def _processes(self, device: dict[str, Any]) -> list[dict[str, Any]]:
         listed = []
-        for proc in device.get("processes", []):
+        double = device.get("cuda")
+        procs = _cudadir.nvml_view(Path(double))[3] if double else device.get("processes", [])
+        for proc in procs:
             if proc.get("live") and _proc_state(int(proc["pid"])) in (None, "Z", "X"):
                 continue  # a real process that has exited leaves the driver's list
             listed.append(proc)
@@ -447,8 +470,7 @@ class _Library:
         devices = self._world.get("devices", [])
         if index.value >= len(devices):
             return NVML_ERROR_INVALID_ARGUMENT
-        errors = devices[index.value].get("errors", {})
-        ret = _code(errors.get("nvmlDeviceGetHandleByIndex_v2", errors.get("*", NVML_SUCCESS)))
+        ret = _device_error(devices[index.value], "nvmlDeviceGetHandleByIndex_v2")
         if ret == NVML_SUCCESS:
             device.contents = struct_c_nvmlDevice_t(index.value)
         return ret
@@ -486,7 +508,9 @@ class _Library:
             info = device.get("memory", {})
             memory.total = int(info.get("total", 150754820096))
             memory.used = int(info.get("used", 0))
-            memory.free = memory.total - memory.used
+            if device.get("cuda"):
+                _, memory.total, memory.used, _ = _cudadir.nvml_view(Path(device["cuda"]))
+            memory.free = max(0, memory.total - memory.used)
         return ret
 
     def nvmlDeviceGetComputeRunningProcesses_v2(
@@ -552,7 +576,7 @@ class _Library:
         for pid in set(latest) - set(listed):
             del latest[pid]
         for pid, proc in listed.items():
-            if _proc_state(pid) == _STATE_RUNNING:
+            if _proc_state(pid) == _STATE_RUNNING and not proc.get("gated"):
                 latest[pid] = {
                     "pid": pid,
                     "timeStamp": now_us,

@@ -133,6 +133,15 @@ COMMANDS: Mapping[str, CommandSpec] = MappingProxyType(
         "sim-foreign": CommandSpec(
             Access.ADMIN, _args(gpu=Arg(Kind.INTEGER), memory_bytes=Arg(Kind.INTEGER))
         ),
+        "sim-fault": CommandSpec(
+            Access.ADMIN,
+            _args(
+                pid=Arg(Kind.INTEGER),
+                op=Arg(Kind.STRING),
+                fault=Arg(Kind.STRING),
+                times=Arg(Kind.INTEGER, required=False),
+            ),
+        ),
         # From kiwi-hook (OCI createRuntime / poststop): a container, its names and, on
         # Kubernetes, the device plugin's device IDs it was given.
         "register": CommandSpec(

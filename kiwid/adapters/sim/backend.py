@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiwid.adapters.gpu import DeviceInfo, GpuBackendError, GpuLost, GpuProcess
+from kiwid.adapters.sim.faults import SimFaults
 from kiwid.adapters.sim.persist import PersistFile
 from kiwid.adapters.sim.process import Attachment
 from kiwid.linux.freezer import is_frozen
@@ -108,6 +109,8 @@ class SimBackend:
         self._by_fd: dict[int, tuple[int, int]] = {}
         self._dirty = False
         self._persist = None if persist is None else PersistFile(persist)
+        self.faults = SimFaults()
+        """Faults injected into its swaps (``sim-fault``; not kept across a restart)."""
         if self._persist is not None:
             for pid, index, memory, activity, swapped in self._persist.live_entries():
                 self.attach(pid, index, memory, activity)

@@ -224,6 +224,29 @@ async def _sim_foreign(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     return {"gpu": args["gpu"], "foreign_bytes": args["memory_bytes"]}
 
 
+async def _sim_fault(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    """A fault in the simulated GPU's swaps of one process (to test kiwid's handling)."""
+    backend = _sim(c, "sim-fault")
+    pid, op, fault = args["pid"], args["op"], args["fault"]
+    times = args.get("times", 1)
+    attached = any(a.pid == pid for a in backend.attached())
+    if not attached and not (fault == "none" and backend.faults.knows(pid)):
+        raise ControlError(
+            "invalid-value", f"pid {pid} is not attached to a simulated GPU (sim-attach it first)"
+        )
+    try:
+        backend.faults.inject(pid, op, fault, times)
+    except ValueError as err:
+        raise ControlError("invalid-value", str(err)) from None
+    if fault == "none":
+        log.warning("Cleared the injected fault of %s of pid %d (uid %d)", op, pid, peer.uid)
+    else:
+        log.warning(
+            "Injected fault by uid %d: %s of pid %d: %s x%d", peer.uid, op, pid, fault, times
+        )
+    return {"pid": pid, "op": op, "fault": fault, "times": None if fault == "none" else times}
+
+
 def _tenant_key(c: Commands, ref: str) -> str:
     if ref not in c.ctx.engine.tracker.tenants:
         raise ControlError(
@@ -284,6 +307,7 @@ HANDLERS: dict[str, Handler] = {
     "set-mode": _set_mode,
     "sim-attach": _sim_attach,
     "sim-foreign": _sim_foreign,
+    "sim-fault": _sim_fault,
     "sim-detach": _sim_detach,
     "set-weight": _set_weight,
     "set-priority": _set_priority,

@@ -6,10 +6,14 @@
   Restore leaves the process locked; the gate's ungate unlocks it.
 * ``SimSwapper`` moves the simulated GPU's bookkeeping and takes the time its
   link model says (:mod:`kiwid.adapters.sim.link`: each direction at its own
-  rate, shared by the swaps going that way), on the worker thread.
+  rate, shared by the swaps going that way), on the worker thread. Before each
+  swap it meets the faults injected with ``sim-fault``
+  (:mod:`kiwid.adapters.sim.faults`), as the driver's would come.
 
 Both leave the tenant as it was when they fail: a failed swap-out restores what
 it had already checkpointed, so the memory is on the card and the tenant gated.
+The one exception is injected on purpose: a ``stuck`` fault leaves the memory
+in host RAM, as the driver of cuda-checkpoint issue 44 does.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
-from kiwid.adapters.sim import SimBackend, SimOutOfMemory, swap_in_persisted
+from kiwid.adapters.sim import SimBackend, SimFault, SimOutOfMemory, swap_in_persisted
 from kiwid.adapters.sim.link import Link
 from kiwid.daemon.gating.state import GatedRecord
 
@@ -113,11 +117,17 @@ class SimSwapper:
 
     def swap_out(self, record: GatedRecord) -> None:
         """Take the tenant's memory off the simulated GPU, once the link has carried it."""
+        fault = self._injected(record, "checkpoint")
         self._link.transfer(self._backend.resident_of(record.pids), "out")
         self._backend.swap_out(record.pids)
+        if fault is not None:  # stuck: the memory went, the swap failed all the same
+            raise SwapError(_message(fault))
 
     def swap_in(self, record: GatedRecord) -> None:
         """Bring it back if it fits, once the link has carried it."""
+        fault = self._injected(record, "restore")
+        if fault is not None:  # stuck: it stays in host RAM
+            raise SwapError(_message(fault))
         try:
             self._backend.check_swap_in(record.pids)
         except SimOutOfMemory as err:
@@ -127,6 +137,31 @@ class SimSwapper:
             self._backend.swap_in(record.pids)
         except SimOutOfMemory as err:  # the card filled up meanwhile
             raise SwapError(str(err)) from err
+
+    def _injected(self, record: GatedRecord, op: str) -> SimFault | None:
+        """Meet the fault injected for this swap: wait out a hang, raise a failure.
+
+        Returns:
+            A ``stuck`` fault, for the caller to fail after its work; else ``None``.
+
+        Raises:
+            SwapError: a ``fail`` fault.
+        """
+        faults = self._backend.faults
+        fault = faults.take(record.pids, op)
+        if fault is not None and fault.kind == "hang":
+            log.warning(
+                "%s: held by %s; it waits for sim-fault none", record.tenant, _message(fault)
+            )
+            faults.wait_cleared(fault)
+            return None
+        if fault is not None and fault.kind == "fail":
+            raise SwapError(_message(fault))
+        return fault
+
+
+def _message(fault: SimFault) -> str:
+    return f"injected fault (sim-fault): {fault.op} of pid {fault.pid}: {fault.kind}"
 
 
 def restore_record(record: GatedRecord, state_dir: Path) -> None:

@@ -1,0 +1,166 @@
+"""A CUDA tenant for the driver double: real processes that "use the GPU" (stdlib only).
+
+Run as a script (``python tests/stand_ins/cuda_tenant.py --memory BYTES``) with
+``KIWI_STANDIN_CUDA`` naming the double's directory. Each process of the tenant:
+
+1. optionally moves into a cgroup first (``--cgroup``, v2), so that everything
+   it starts is in it;
+2. "creates a context": writes its ``procs/PID`` entry, RUNNING, with its
+   memory; if the memory does not fit beside the resident processes and the
+   foreign memory, it fails as ``cudaMalloc`` would (exit code 3, "out of
+   memory" on stderr);
+3. loops doing "GPU work": it reads its own state each iteration; while
+   RUNNING (and the GPU not lost) it burns the CPU for ~5 ms and counts one
+   iteration, so that the stand-in NVML's live sampling sees it run; while
+   LOCKED, CHECKPOINTED or lost it sleeps 10 ms at a time (state S, no samples)
+   and makes no progress.
+
+Progress goes to ``progress/PID`` in the double's directory: two little-endian
+uint64 in a mapped file, the iterations done and the CLOCK_MONOTONIC time (ns)
+of the last, cheap to write each iteration and to read from anywhere
+(:func:`cudadir.read_progress`). A line ``ready PID`` on stdout says a process
+has its context. On exit (SIGTERM, SIGINT, the end of ``--seconds``) each
+process removes its entries; a SIGKILLed one leaves them, and the double treats
+an entry whose process is gone as no process.
+
+``--processes N`` starts N processes (this one and N - 1 children, each with
+its own context and ``--memory``); ``--spawn-later S`` starts one more S seconds
+after the start, to see a gated tenant's newcomer locked too (the first process
+forks it from its loop, so it comes however the first one is gated). Children
+die with the first process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import mmap
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import cudadir
+
+_PR_SET_PDEATHSIG = 1
+WORK_S = 0.005
+WAIT_S = 0.01
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def create_context(directory: Path, memory: int) -> None:
+    """Write this process's entry, RUNNING, if its memory fits on the card (else exit 3)."""
+    pid = os.getpid()
+    with cudadir.locked(directory):
+        config = cudadir.read_config(directory)
+        used = cudadir.resident_bytes(cudadir.read_procs(directory)) + config["foreign"]
+        if used + memory > config["capacity"]:
+            print(
+                f"cuda_tenant {pid}: out of memory: {memory} bytes do not fit beside "
+                f"{used} of {config['capacity']}",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(3)
+        start = cudadir.start_ticks(pid) or 0
+        cudadir.write_proc(directory, cudadir.Proc(pid, cudadir.RUNNING, memory, start=start))
+
+
+def work(
+    directory: Path,
+    memory: int,
+    seconds: float | None,
+    on_iteration: Callable[[], None] = lambda: None,
+) -> None:
+    """Create the context, then work while RUNNING until told to stop."""
+    pid = os.getpid()
+    progress_path = directory / "progress" / str(pid)
+    entry = directory / "procs" / str(pid)
+    progress_path.parent.mkdir(exist_ok=True)
+    try:
+        create_context(directory, memory)
+        with open(progress_path, "w+b") as f:
+            f.write(bytes(cudadir.PROGRESS.size))
+            f.flush()
+            counter = mmap.mmap(f.fileno(), cudadir.PROGRESS.size)
+        print(f"ready {pid}", flush=True)
+        end = None if seconds is None else time.monotonic() + seconds
+        done = 0
+        while end is None or time.monotonic() < end:
+            on_iteration()
+            proc = cudadir.read_proc(directory, pid)
+            if proc is None or proc.state != cudadir.RUNNING or cudadir.lost(directory):
+                time.sleep(WAIT_S)
+                continue
+            until = time.monotonic() + WORK_S
+            while time.monotonic() < until:
+                pass
+            done += 1
+            cudadir.PROGRESS.pack_into(counter, 0, done, time.monotonic_ns())
+    finally:
+        with cudadir.locked(directory):
+            entry.unlink(missing_ok=True)
+        progress_path.unlink(missing_ok=True)
+
+
+def spawn(directory: Path, memory: int, seconds: float | None) -> int:
+    """Fork a process that works until the first one dies (or the end); return its PID."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            work(directory, memory, seconds)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        finally:
+            os._exit(code)  # never back into the parent's frames
+    return pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tenant (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory", type=int, required=True, help="device memory, bytes")
+    parser.add_argument("--processes", type=int, default=1, help="processes with a context")
+    parser.add_argument("--spawn-later", type=float, help="start one more after SECONDS")
+    parser.add_argument("--seconds", type=float, help="stop after SECONDS (default: never)")
+    parser.add_argument("--cgroup", type=Path, help="a v2 cgroup to move into first")
+    args = parser.parse_args(argv)
+    if args.memory < 0 or args.processes < 1:
+        parser.error("--memory must be >= 0 and --processes >= 1")
+    directory = Path(os.environ.get(cudadir.ENVIRONMENT, ""))
+    if not (directory / "config").is_file():
+        parser.error(f"{cudadir.ENVIRONMENT} must name the double's directory")
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    if args.cgroup is not None:
+        (args.cgroup / "cgroup.procs").write_text(str(os.getpid()))
+    children = [spawn(directory, args.memory, args.seconds) for _ in range(args.processes - 1)]
+    later = None if args.spawn_later is None else time.monotonic() + args.spawn_later
+
+    def maybe_spawn() -> None:
+        nonlocal later
+        if later is not None and time.monotonic() >= later:
+            later = None
+            children.append(spawn(directory, args.memory, args.seconds))
+
+    try:
+        work(directory, args.memory, args.seconds, maybe_spawn)
+    finally:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGTERM)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child, 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kiwid.core.model import GpuId, GpuPolicy, TenantId, TenantPolicy
+from kiwid.core.residency import Residency
 
 # ---------------------------------------------------------------- events
 
@@ -79,15 +80,80 @@ class SwapFinished:
 
 
 @dataclass(frozen=True)
-class GateFailed:
-    """The shell could not carry out a :class:`Gate`: the tenant runs on.
+class Gated:
+    """The shell carried out a :class:`Gate`: the tenant's freeze or lock took.
 
-    It keeps its place (the rotation goes on around it), but its memory is not
-    moved while it runs.
+    Until then a tenant asked to be gated may still run, so nobody else is let go on
+    its GPUs (at most one tenant runs per GPU, also while a gate is under way).
     """
 
     tenant: TenantId
+
+
+@dataclass(frozen=True)
+class TenantFaulted:
+    """An operation on the tenant failed for good: the tenant is stuck.
+
+    The operation failed in a way retries cannot mend, ran past its deadline, or
+    left the driver out of step. It holds nothing and is never let go until an
+    operator asks (:class:`RetryAsked`, :class:`ReleaseAsked`); its memory is not
+    moved again. ``contained``: kiwid knows it does not run (gated, locked, or
+    fenced with the freezer); a tenant that may run keeps everyone else off its
+    GPUs, and its gate is tried again every TQ.
+    """
+
+    tenant: TenantId
+    operation: str
+    """What kiwid was doing: ``gate``, ``ungate``, ``swap-out``, ``swap-in``, ``retry``,
+    ``release`` or ``adopt``."""
     reason: str
+    """What went wrong, for the operator: the pid, the call, the driver's answer."""
+    memory: Residency | None = None
+    """Where its memory is by the driver: ``RESIDENT``, ``HOST`` or ``UNKNOWN``
+    (``None``: where the scheduler last put it)."""
+    contained: bool = True
+
+
+@dataclass(frozen=True)
+class RetryAsked:
+    """An operator asked kiwid to try a stuck (or released) tenant again (``kiwictl retry``).
+
+    A stuck one is mended by the shell (:class:`Retry`, answered by :class:`Mended` or
+    another :class:`TenantFaulted`); a released one goes back into the rotation.
+    """
+
+    tenant: TenantId
+
+
+@dataclass(frozen=True)
+class Mended:
+    """The shell mended a stuck tenant: it is gated, and its memory is where ``memory`` says."""
+
+    tenant: TenantId
+    memory: Residency
+    """``RESIDENT`` or ``HOST``."""
+
+
+@dataclass(frozen=True)
+class ReleaseAsked:
+    """An operator asked kiwid to let a stuck tenant run ungated (``kiwictl release``)."""
+
+    tenant: TenantId
+
+
+@dataclass(frozen=True)
+class Released:
+    """The shell carried out a :class:`Release`.
+
+    ``complete``: everything was thawed, unlocked and brought back to the card: the
+    tenant runs ungated, outside the rotation. Otherwise it stays stuck, and
+    ``note`` says what could not be done (``contained``: whether it may run).
+    """
+
+    tenant: TenantId
+    complete: bool
+    note: str = ""
+    contained: bool = True
 
 
 @dataclass(frozen=True)
@@ -178,7 +244,12 @@ Event = (
     | ActivitySeen
     | FootprintSeen
     | SwapFinished
-    | GateFailed
+    | Gated
+    | TenantFaulted
+    | RetryAsked
+    | Mended
+    | ReleaseAsked
+    | Released
     | TenantAdopted
     | TenantPolicySet
     | Admitted
@@ -227,4 +298,24 @@ class SwapIn:
     tenant: TenantId
 
 
-Action = Gate | Ungate | SwapOut | SwapIn
+@dataclass(frozen=True)
+class Retry:
+    """Mend a stuck tenant: find where its memory is, gate it (lock, or freeze) whole.
+
+    Answered by :class:`Mended`, or by another :class:`TenantFaulted`.
+    """
+
+    tenant: TenantId
+
+
+@dataclass(frozen=True)
+class Release:
+    """Let a stuck tenant run on an operator's word: restore, unlock, thaw what can be.
+
+    Answered by :class:`Released`.
+    """
+
+    tenant: TenantId
+
+
+Action = Gate | Ungate | SwapOut | SwapIn | Retry | Release

@@ -1,8 +1,8 @@
 """Per-tenant GPU-time accounting, kept by the scheduling core.
 
 Every state change closes the time spent in the previous state, so at any
-moment ``holding + waiting + corunning + idle`` equals the time since the
-tenant was first seen. Counters say how the GPU was handed over. The ledger
+moment ``holding + waiting + corunning + idle + stuck + released`` equals the
+time since the tenant was first seen. Counters say how the GPU was handed over. The ledger
 lives as long as the daemon (it survives reloads; a restart resets it).
 """
 
@@ -63,6 +63,8 @@ class Ledger:
             swapped_out_bytes=self.swapped_out_bytes,
             swapped_in_bytes=self.swapped_in_bytes,
             swap_s=self.swap_s,
+            stuck_s=seconds[TenantState.STUCK],
+            released_s=seconds[TenantState.RELEASED],
         )
 
 
@@ -82,8 +84,19 @@ class LedgerView:
     swap_s: float = 0.0
     preempted_priority: int = 0
     entitled_s: float = 0.0
+    stuck_s: float = 0.0
+    """Time it spent stuck (gated, holding nothing, waiting for an operator)."""
+    released_s: float = 0.0
+    """Time it ran ungated, outside the rotation, released by an operator."""
 
     @property
     def total_s(self) -> float:
         """Time since the tenant was first seen."""
-        return self.holding_s + self.waiting_s + self.corunning_s + self.idle_s
+        return (
+            self.holding_s
+            + self.waiting_s
+            + self.corunning_s
+            + self.idle_s
+            + self.stuck_s
+            + self.released_s
+        )

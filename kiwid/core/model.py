@@ -132,7 +132,7 @@ def _shown(value: object) -> str:
 
 
 class TenantState(enum.StrEnum):
-    """Where a tenant stands. Only ``WAITING`` tenants are gated."""
+    """Where a tenant stands. ``WAITING`` and ``STUCK`` tenants are gated."""
 
     IDLE = "idle"
     """No GPU work lately; runs free."""
@@ -142,6 +142,13 @@ class TenantState(enum.StrEnum):
     """In a burst, gated (frozen or locked), queued for its turn."""
     CORUNNING = "corunning"
     """In a burst on GPUs that are not gated now (mode off, or auto and it fits)."""
+    STUCK = "stuck"
+    """An operation on it failed for good, ran past its deadline, or left the driver
+    out of step: it stays gated, holds nothing and waits for an operator (``kiwictl
+    retry`` or ``release``) while everyone else rotates."""
+    RELEASED = "released"
+    """A stuck tenant an operator let go: it runs ungated, outside the rotation, until
+    it leaves or ``kiwictl retry`` brings it back."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,10 @@ class Residency(enum.StrEnum):
     """Being brought back ahead of its turn, beside the holder."""
     PREFETCHED = "prefetched"
     """Back on the card ahead of its turn; kept there until it runs."""
+    UNKNOWN = "unknown"
+    """The driver left it out of step (part on the card, part in host RAM, or a move
+    that never returned): counted on the card, never let go until an operator's
+    ``kiwictl retry`` or ``release`` finds where it is."""
 
     @property
     def on_card(self) -> bool:
@@ -49,7 +53,10 @@ class Residency(enum.StrEnum):
 
     @property
     def takes_room(self) -> bool:
-        """Whether it counts against the card's memory (all but ``host``)."""
+        """Whether it counts against the card's memory (all but ``host``).
+
+        ``unknown`` counts whole: some or all of it may be on the card.
+        """
         return self is not Residency.HOST
 
 
@@ -66,6 +73,12 @@ class Move(enum.StrEnum):
     IN_DEFERRED = "the restore did not start: too little free memory on the card"
     GRANTED = "its turn came while it was on the card or coming back"
     ADOPTED_SWAPPED = "a previous kiwid left it in host RAM"
+    LOST_TRACK = (
+        "a move failed half-way or never returned, or a previous kiwid died during one: "
+        "where it is, is unknown"
+    )
+    FOUND_ON_CARD = "the driver says (after a fault, a retry or a release) it is all on the card"
+    FOUND_IN_HOST = "the driver says (after a fault or a retry) it is all in host RAM"
 
 
 R = Residency
@@ -87,6 +100,9 @@ MOVES: dict[tuple[Residency, Move], Residency] = {
     (R.PREFETCHED, M.GRANTED): R.RESIDENT,
     (R.PREFETCHED, M.SWAP_OUT): R.SWAPPING_OUT,
     (R.RESIDENT, M.ADOPTED_SWAPPED): R.HOST,
+    **{(r, M.LOST_TRACK): R.UNKNOWN for r in Residency if r is not R.UNKNOWN},
+    **{(r, M.FOUND_ON_CARD): R.RESIDENT for r in Residency if not r.on_card},
+    **{(r, M.FOUND_IN_HOST): R.HOST for r in Residency if r is not R.HOST},
 }
 """(residency, move) → next residency. Nothing else is allowed."""
 
@@ -99,6 +115,24 @@ class InvalidMove(Exception):
         super().__init__(f"no move from {residency.value!r} on {move.name}")
         self.residency = residency
         self.move = move
+
+
+def settle(residency: Residency, found: Residency) -> Residency:
+    """The residency once the driver says where the memory is (``found``).
+
+    ``found`` is ``RESIDENT``, ``HOST`` or ``UNKNOWN``; a tenant already there (or
+    ``PREFETCHED``, which is on the card) stays as it is.
+
+    Raises:
+        InvalidMove: ``found`` is not one of the three.
+    """
+    if found is R.RESIDENT:
+        return residency if residency.on_card else move(residency, M.FOUND_ON_CARD)
+    if found is R.HOST:
+        return residency if residency is R.HOST else move(residency, M.FOUND_IN_HOST)
+    if found is R.UNKNOWN:
+        return residency if residency is R.UNKNOWN else move(residency, M.LOST_TRACK)
+    raise InvalidMove(residency, M.LOST_TRACK)
 
 
 def move(residency: Residency, why: Move) -> Residency:

@@ -67,7 +67,10 @@ def start_holder(
     if missing:
         planned = False
         for gpu, nbytes in sorted(missing.items()):
-            planned |= _make_room(table, t, gpu, nbytes, now=now, actions=actions)
+            # What swap-outs in flight will free counts already: never evict twice.
+            going = sum(o.size(gpu) for o in table.members(gpu) if o.residency is R.SWAPPING_OUT)
+            if nbytes > going:
+                planned |= _make_room(table, t, gpu, nbytes - going, now=now, actions=actions)
         leaving = [o.id for g in gpus for o in table.members(g) if o.residency is R.SWAPPING_OUT]
         if planned or leaving:
             t.waiting_for = f"room being made on GPU {','.join(sorted(gpus))}: " + (
@@ -91,7 +94,22 @@ def start_holder(
             t.waiting_for = low
         return
     t.free_wait_since = None
+    other = table.in_the_way(t, gpus)
+    if other is not None:  # never two at once: it goes once the other one is gated
+        t.waiting_for = _in_the_way(other, gpus)
+        return
     table.let_go(t, now, actions)
+
+
+def _in_the_way(other: TenantRecord, gpus: frozenset[GpuId]) -> str:
+    where = f"GPU {','.join(sorted(other.gpus & gpus))}"
+    if other.loose and other.fault is not None:
+        return (
+            f"{other.id} may still run on {where}: kiwid could not gate it "
+            f"({other.fault.reason}); it is tried again every TQ, or see "
+            f"`kiwictl release {other.id}`"
+        )
+    return f"{other.id} is being gated on {where}"
 
 
 def _restore(t: TenantRecord, actions: list[Action]) -> None:

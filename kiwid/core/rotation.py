@@ -2,7 +2,8 @@
 
 :func:`reconcile` runs after every event that may change who should hold, wait or
 move memory, over the GPUs it touched (and any linked through multi-GPU tenants).
-Its steps, in order: early release, GPUs that stopped gating, one holder per GPU,
+Its steps, in order: early release, gates tried again for stuck tenants that may
+run, GPUs that stopped gating, one holder per GPU,
 boosts, preemption, grants (first come, first served), starting holders (room,
 restore, let go), prefetch, and checkpoint swap-outs, one function each. Then it
 counts entitlements and recomputes the deadlines (:mod:`kiwid.core.timers`). The
@@ -64,6 +65,7 @@ def reconcile(
     release_quiet(table, among, now)  # 1
     # After the releases: they may change auto-mode gating.
     p = Pass(table, among, table.gating(gpus), now, actions)
+    regate_loose(p)  # 1b
     free_ungated(p)  # 2
     one_holder_per_gpu(p)  # 2b
     boost_long_waiters(p)  # 3
@@ -129,6 +131,18 @@ def release_quiet(table: TenantTable, among: list[TenantRecord], now: float) -> 
         if t.state in _RUNNING and not t.gated and now >= table.idle_at(t):
             table.set_state(t, Trigger.IDLE_TIMEOUT, now)
             t.granted_at = None
+
+
+def regate_loose(p: Pass) -> None:
+    """1b. A stuck tenant whose gate did not take (it may run) has it tried again when due.
+
+    Until it takes, nobody else is let go on its GPUs; once it takes (``Gated``), the
+    tenant waits for its turn like any other.
+    """
+    for t in p.among:
+        if t.loose and not t.gated and p.now >= t.regate_at:
+            t.regate_at = p.now + p.table.policy_of(t).tq_s
+            p.table.gate(t, p.actions)
 
 
 def free_ungated(p: Pass) -> None:
@@ -199,7 +213,7 @@ def grant_in_turn(p: Pass) -> None:
     table, gating, now = p.table, p.gating, p.now
     blocked: set[GpuId] = set()
     for t in p.among:
-        if t.state is S.HOLDER:
+        if t.state is S.HOLDER or t.loose:  # a stuck tenant that may run holds its GPUs
             blocked |= t.gpus & gating
     for t in table.queue(gating, p.among):
         need = t.gpus & gating

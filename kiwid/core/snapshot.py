@@ -10,7 +10,7 @@ from kiwid.core.model import GpuId, TenantId, TenantState
 from kiwid.core.residency import Residency
 from kiwid.core.table import TenantTable
 from kiwid.core.tenant import TenantRecord
-from kiwid.core.view import GpuView, SchedulerView, TenantView, WaiterView
+from kiwid.core.view import FaultView, GpuView, SchedulerView, TenantView, WaiterView
 
 S = TenantState
 R = Residency
@@ -51,6 +51,15 @@ def view(table: TenantTable, now: float) -> SchedulerView:
                 memory_in_use_bytes=memory.occupied(on_gpu, gpu, None),
                 free_bytes=table.free_seen.get(gpu),
                 handover_waits_for=_handover_waits_for(table, holder, gating, queue),
+                stuck=tuple(sorted(t.id for t in on_gpu if t.state is S.STUCK)),
+                blocked_by=next((t.id for t in on_gpu if t.loose and gpu in gating), None),
+                held_back=tuple(
+                    sorted(
+                        t.id
+                        for t in on_gpu
+                        if t.gated and (gpu not in gating or t.state is S.STUCK)
+                    )
+                ),
             )
         )
     tenants = tuple(
@@ -68,17 +77,27 @@ def view(table: TenantTable, now: float) -> SchedulerView:
             gated=t.gated,
             waiting_for=_waiting_for(t, now),
             swap_refusal=t.unswappable or t.swap_refusal,
-            gate_failure=t.gate_failure,
+            gate_failure=t.fault.reason if t.loose and t.fault else None,
             policy=t.policy,
             quantum_s=table.quantum(t, t.gpus & gating) if t.gpus & gating else None,
             boosted=t.boosted,
             entitled_share=t.entitled_rate,
             last_preemption=t.last_preemption,
             remembered=t.remembered,
+            fault=_fault(t),
+            gate_pending=t.gate_pending,
+            released_note=t.released_note,
         )
         for t in sorted(table.tenants.values(), key=lambda t: t.id)
     )
     return SchedulerView(now=now, gpus=tuple(gpus), tenants=tenants)
+
+
+def _fault(tenant: TenantRecord) -> FaultView | None:
+    fault = tenant.fault
+    if fault is None:
+        return None
+    return FaultView(fault.operation, fault.reason, fault.at, fault.contained, tenant.mending)
 
 
 def _handover_waits_for(

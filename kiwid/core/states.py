@@ -6,7 +6,8 @@ it was. ``docs/states.md`` is generated from this table and the residency table
 (``python -m kiwid.core.diagrams``).
 
 Waiting tenants are gated; so is a holder whose memory is still coming back to
-the card (it is let go once it is there: :mod:`kiwid.core.residency`).
+the card (it is let go once it is there: :mod:`kiwid.core.residency`), and so is
+a stuck one, which waits for an operator while the others rotate.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ class Trigger(enum.StrEnum):
         "the rotation goes on"
     )
     ADOPTED = "a previous kiwid left it gated; it waits for its turn"
+    FAULTED = (
+        "an operation on it failed for good, ran past its deadline, or left the driver out of step"
+    )
+    GATE_MENDED = "its gate, tried again, took: it waits for its turn"
+    RETRIED = "an operator asked kiwid to try again (kiwictl retry), and it could"
+    RELEASED = "an operator let it run ungated (kiwictl release)"
 
 
 S = TenantState
@@ -55,6 +62,15 @@ TRANSITIONS: dict[tuple[TenantState, Trigger], TenantState] = {
     (S.IDLE, T.SWAPPED_OUT): S.WAITING,
     (S.HOLDER, T.SWAP_IN_FAILED): S.WAITING,
     (S.IDLE, T.ADOPTED): S.WAITING,
+    (S.IDLE, T.FAULTED): S.STUCK,
+    (S.HOLDER, T.FAULTED): S.STUCK,
+    (S.WAITING, T.FAULTED): S.STUCK,
+    (S.CORUNNING, T.FAULTED): S.STUCK,
+    (S.STUCK, T.FAULTED): S.STUCK,
+    (S.STUCK, T.GATE_MENDED): S.WAITING,
+    (S.STUCK, T.RETRIED): S.WAITING,
+    (S.STUCK, T.RELEASED): S.RELEASED,
+    (S.RELEASED, T.RETRIED): S.IDLE,
 }
 """(state, trigger) → next state. Nothing else is allowed."""
 

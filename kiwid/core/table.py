@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from kiwid.core.events import Action, Gate, Ungate
 from kiwid.core.memory import HostMemory
 from kiwid.core.model import GpuId, GpuPolicy, Mode, TenantId, TenantState
-from kiwid.core.residency import Move, Residency, move
+from kiwid.core.residency import Move, Residency, move, settle
 from kiwid.core.states import Trigger, transition
-from kiwid.core.tenant import TenantRecord
+from kiwid.core.tenant import Fault, TenantRecord
 
 S = TenantState
 NO_GPU: GpuId = ""  # index key for tenants attached to no GPU
@@ -173,7 +173,9 @@ class TenantTable:
         """
         claimed: set[GpuId] = set()
         for t in among:
-            if t is not exclude and t.state is not S.IDLE and t.adopting_until <= self.now:
+            if t is exclude or t.state is S.IDLE or t.holds_nothing:
+                continue
+            if t.adopting_until <= self.now:
                 claimed |= t.gpus & gating
         return claimed
 
@@ -251,10 +253,10 @@ class TenantTable:
         """When a running holder or co-runner without further activity goes idle."""
         if tenant.gated:
             return math.inf  # not let go yet: it cannot have shown activity
-        start = max(
-            (t for t in (tenant.granted_at, tenant.last_active) if t is not None),
-            default=self.now,
-        )
+        began = tenant.window_at if tenant.window_at is not None else tenant.granted_at
+        start = max((t for t in (began, tenant.last_active) if t is not None), default=self.now)
+        if _silent_since(tenant, began):
+            start -= tenant.quiet_s  # silent in its earlier turns too
         return start + self.policy_of(tenant).idle_release_s
 
     # ------------------------------------------------------------ changes
@@ -282,16 +284,66 @@ class TenantTable:
                 tenant.set_boost(False)  # a boost is worth one quantum
             if trigger is not Trigger.PREEMPTED_PRIORITY:
                 tenant.remaining_s = None
+        if tenant.running and new not in (S.HOLDER, S.CORUNNING):
+            # Its turn ends: carry the silence at its end into the next one.
+            began = tenant.window_at if tenant.window_at is not None else tenant.granted_at
+            if began is not None:
+                if _silent_since(tenant, began):
+                    tenant.quiet_s += now - began
+                else:
+                    tenant.quiet_s = now - (tenant.last_active or now)
+        if new is S.IDLE:
+            tenant.window_at = None  # its burst is over
+            tenant.quiet_s = 0.0
         self.transitions.append(Transition(tenant.id, tenant.state, new, trigger, now))
         self.changes += 1
         tenant.state = new
         tenant.state_since = now
 
     def gate(self, tenant: TenantRecord, actions: list[Action]) -> None:
-        """Ask for ``tenant`` to be gated (once: a gated tenant is not asked again)."""
+        """Ask for ``tenant`` to be gated (once: a gated tenant is not asked again).
+
+        It counts as running until the shell confirms the gate (``Gated``).
+        """
         if not tenant.gated:
             tenant.gated = True
+            tenant.gates_asked += 1
             actions.append(Gate(tenant.id))
+
+    def in_the_way(self, tenant: TenantRecord, gpus: Iterable[GpuId]) -> TenantRecord | None:
+        """Another tenant on ``gpus`` that may run now: ``tenant`` must not be let go there."""
+        for gpu in gpus:
+            for other in self.members(gpu):
+                if other is not tenant and other.may_run:
+                    return other
+        return None
+
+    def fault(
+        self,
+        tenant: TenantRecord,
+        fault: Fault,
+        found: Residency | None,
+        now: float,
+    ) -> None:
+        """``tenant`` is stuck: it holds nothing, and is gated unless its gate did not take.
+
+        ``found``: where the driver says its memory is (``None``: as the table has it).
+        """
+        if found is not None:
+            tenant.residency = settle(tenant.residency, found)
+        self.set_state(tenant, Trigger.FAULTED, now)
+        tenant.fault = fault
+        tenant.gated = fault.contained
+        tenant.gates_done = tenant.gates_asked  # what was asked of it is void now
+        tenant.granted_at = None
+        tenant.remaining_s = None
+        tenant.free_wait_since = None
+        tenant.waiting_for = None
+        tenant.mending = False
+        if tenant.boosted:
+            tenant.set_boost(False)
+        tq = self.policy_of(tenant).tq_s
+        tenant.regate_at = math.inf if fault.contained else now + tq
 
     def let_go(self, tenant: TenantRecord, now: float, actions: list[Action]) -> None:
         """Ungate a tenant whose memory is on the card; a holder's quantum starts."""
@@ -299,17 +351,23 @@ class TenantTable:
         if tenant.residency is Residency.PREFETCHED:
             tenant.residency = move(tenant.residency, Move.GRANTED)
         tenant.gated = False
-        tenant.gate_failure = tenant.waiting_for = None
+        tenant.gates_let_go = tenant.gates_asked
+        tenant.waiting_for = None
         if tenant.refused_until_run:
             tenant.swap_refusal = None
             tenant.refused_until_run = False
         actions.append(Ungate(tenant.id))
         if tenant.state is S.HOLDER:
             tenant.granted_at = now
-        tenant.last_active = now  # a fresh window to show activity
+        tenant.window_at = now  # its window to show activity
 
     def requeue(self, tenant: TenantRecord, trigger: Trigger, now: float) -> None:
         """A holder goes back to the queue (preempted, or its memory cannot come back)."""
         self.set_state(tenant, trigger, now)
         tenant.granted_at = None
         tenant.seq = self.next_seq()
+
+
+def _silent_since(tenant: TenantRecord, began: float | None) -> bool:
+    """Whether ``tenant`` showed no GPU work since ``began`` (its turn's start)."""
+    return began is not None and (tenant.last_active is None or tenant.last_active < began)

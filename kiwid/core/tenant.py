@@ -12,6 +12,20 @@ from kiwid.core.residency import Residency
 S = TenantState
 
 
+@dataclass(frozen=True)
+class Fault:
+    """Why a tenant is stuck."""
+
+    operation: str
+    """What kiwid was doing: ``gate``, ``ungate``, ``swap-out``, ``swap-in``, ``retry``,
+    ``release`` or ``adopt``."""
+    reason: str
+    at: float
+    """When (monotonic seconds)."""
+    contained: bool
+    """Whether kiwid knows it does not run (gated, locked or fenced)."""
+
+
 @dataclass
 class TenantRecord:
     """Everything the scheduler knows of one tenant.
@@ -28,6 +42,13 @@ class TenantRecord:
     state: TenantState = S.IDLE
     state_since: float = 0.0
     last_active: float | None = None
+    """When GPU work of it was last seen."""
+    window_at: float | None = None
+    """When it was last let go: the start of its window to show GPU work."""
+    quiet_s: float = 0.0
+    """Seconds it ran without GPU work at the end of its earlier turns in this burst:
+    silence over several turns shorter than ``idle_release`` adds up, so a tenant
+    that stopped working goes idle all the same instead of rotating for ever."""
     granted_at: float | None = None
     """When its quantum began: the moment it was let go after its grant (``None``:
     not holding, or granted and still gated while its memory comes back)."""
@@ -60,8 +81,21 @@ class TenantRecord:
     """Why its memory may not be moved for now (``None``: it may)."""
     refused_until_run: bool = False
     """``swap_refusal`` came from a failed swap-out: it holds until it runs again."""
-    gate_failure: str | None = None
-    """Why its last gate did not take: it runs on, so its memory must not move."""
+    gates_asked: int = 0
+    """How many :class:`~kiwid.core.events.Gate` actions were asked for it."""
+    gates_done: int = 0
+    """How many of them the shell answered (``Gated``, or a gate's fault)."""
+    gates_let_go: int = 0
+    """``gates_asked`` when it was last let go: an answer to one of those gates comes
+    too late to matter (it runs now, by the scheduler's own decision)."""
+    fault: Fault | None = None
+    """Why it is stuck (``STUCK`` only)."""
+    regate_at: float = math.inf
+    """Stuck and not contained: when its gate is tried again."""
+    mending: bool = False
+    """Stuck, and a :class:`~kiwid.core.events.Retry` or ``Release`` is under way."""
+    released_note: str | None = None
+    """Released by an operator: what the release said (``RELEASED`` only)."""
     waiting_for: str | None = None
     """Why a gated tenant is not let go although nothing is ahead of it."""
     policy: TenantPolicy = field(default_factory=TenantPolicy)
@@ -102,9 +136,49 @@ class TenantRecord:
         return (
             self.swap_refusal is None
             and self.unswappable is None
-            and self.gate_failure is None
+            and self.state is not S.STUCK
             and self.policy.swap is TenantSwap.ALLOW
         )
+
+    @property
+    def gate_pending(self) -> bool:
+        """A gate was asked and not answered yet: it may still run.
+
+        Counted, not flagged: a gate, an ungate and a second gate may all be asked
+        before the first one's answer comes back.
+        """
+        return self.gates_done < self.gates_asked
+
+    def answer_gate(self) -> bool:
+        """Count the answer to its oldest outstanding gate; whether that gate still counts.
+
+        ``False`` for a stale answer (none outstanding) and for a gate superseded by a
+        later let-go.
+        """
+        if self.gates_done >= self.gates_asked:
+            return False
+        self.gates_done += 1
+        return self.gates_done > self.gates_let_go
+
+    @property
+    def holds_nothing(self) -> bool:
+        """Stuck with its gate in place, or released: it claims no GPU."""
+        return (self.state is S.STUCK and not self.loose) or self.state is S.RELEASED
+
+    @property
+    def loose(self) -> bool:
+        """Stuck and not contained: its gate failed, and it may run."""
+        return self.fault is not None and not self.fault.contained
+
+    @property
+    def may_run(self) -> bool:
+        """Whether it may be running GPU work now, as far as kiwid knows.
+
+        Let go and in a burst, or asked to be gated and not confirmed yet, or stuck
+        with a gate that did not take. Released tenants run too, on an operator's word,
+        and are not counted: they keep nobody off a GPU.
+        """
+        return self.running or self.gate_pending or self.loose
 
     def set_policy(self, policy: TenantPolicy) -> None:
         """Take a new policy (its rank follows)."""

@@ -93,6 +93,9 @@ def update_deadlines(
         state = t.state
         if state is S.IDLE:
             continue
+        if t.loose and not t.gated:
+            wake(t, t.regate_at)
+            continue
         if t.gated:
             for timer in (t.retry_at, t.adopting_until):
                 if timer > now:

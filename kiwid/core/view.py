@@ -47,6 +47,27 @@ class GpuView:
     """Its free memory by the driver's last reading (``None``: none yet)."""
     handover_waits_for: TenantId | None = None
     """The holder's quantum is over; the hand-over waits for this tenant's memory."""
+    stuck: tuple[TenantId, ...] = ()
+    """Its stuck tenants (they hold nothing and wait for an operator)."""
+    blocked_by: TenantId | None = None
+    """A stuck tenant whose gate did not take: nobody else is let go on this GPU."""
+    held_back: tuple[TenantId, ...] = ()
+    """Tenants kept gated on it although it does not gate now (their memory cannot come
+    back yet, or they are stuck): each one's ``waiting_for`` or fault says why."""
+
+
+@dataclass(frozen=True)
+class FaultView:
+    """Why a tenant is stuck."""
+
+    operation: str
+    reason: str
+    since: float
+    """Monotonic time it got stuck."""
+    contained: bool
+    """Whether kiwid knows it does not run (else it keeps the others off its GPUs)."""
+    mending: bool = False
+    """An operator's retry or release is under way."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +107,12 @@ class TenantView:
     """When it was last preempted (monotonic s), why, and for whom."""
     remembered: int = 0
     """The peak footprint its workload had in an earlier run (0: none remembered)."""
+    fault: FaultView | None = None
+    """Why it is stuck (``None`` unless it is)."""
+    gate_pending: bool = False
+    """A gate was asked and not confirmed yet (it may still run)."""
+    released_note: str | None = None
+    """Released by an operator: what the release reported."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from kiwid.core.events import (
     Event,
     FootprintSeen,
     Gate,
+    Gated,
     SwapFinished,
     SwapIn,
     SwapOut,
@@ -52,6 +53,8 @@ class Node:
             if isinstance(action, SwapOut | SwapIn):
                 direction = "out" if isinstance(action, SwapOut) else "in"
                 out += self.do(SwapFinished(action.tenant, direction, True))
+            elif isinstance(action, Gate):
+                out += self.do(Gated(action.tenant))
         return out
 
     def join(self, name: str, *, weight: float = 1.0, priority: int = 0, **kw: object) -> None:

@@ -1,4 +1,16 @@
-"""Property-based tests of the scheduling core over random event sequences."""
+"""Property-based tests of the scheduling core over random event sequences.
+
+The core runs against a small model of the world it drives: a gate takes (or fails)
+only when the test answers it, in an order hypothesis draws; an ungate may fail;
+any tenant may get stuck, and an operator may retry or release it. What the world
+does is the truth the core's decisions are checked against:
+
+* the core never lets a tenant go onto a gating GPU where another bursting tenant
+  may run (one whose gate was not answered, or did not take);
+* the core never believes a tenant is gated while the world has it running;
+* a stuck tenant is never let go, swapped or granted until an operator asks;
+* FIFO within a class, a ledger that adds up, no deadlock, bounded waits.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +25,23 @@ from kiwid.core.events import (
     Event,
     FootprintSeen,
     Gate,
+    Gated,
     GpusConfigured,
+    Mended,
+    Release,
+    ReleaseAsked,
+    Released,
+    Retry,
+    RetryAsked,
     TenantAttached,
     TenantDetached,
+    TenantFaulted,
     TenantPolicySet,
     Tick,
     Ungate,
 )
 from kiwid.core.model import GpuPolicy, Mode, TenantPolicy, TenantState
+from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler
 from tests.helpers import steps as clock_steps
 
@@ -28,6 +49,8 @@ GiB = 2**30
 GPUS = ("0", "1", "2")
 TENANTS = tuple(f"t{i}" for i in range(6))
 S = TenantState
+BURSTING = (S.HOLDER, S.WAITING, S.CORUNNING, S.STUCK)
+"""Tenants in a burst whose running matters (a released one runs on an operator's word)."""
 
 policies = st.builds(
     GpuPolicy,
@@ -47,8 +70,25 @@ tenants = st.sampled_from(TENANTS)
 openings = st.lists(st.builds(TenantAttached, tenants, gpu_sets), min_size=2, max_size=6)
 
 
-def steps_with(gpu_policies: st.SearchStrategy[GpuPolicy]) -> st.SearchStrategy[Event | float]:
-    """Random steps: tenants come, go and burst, footprints and policies change, time passes."""
+@dataclass(frozen=True)
+class Answer:
+    """The world answers the oldest outstanding job of one tenant (index into the list)."""
+
+    pick: int
+    ok: bool
+
+
+@dataclass(frozen=True)
+class Trouble:
+    """Something happens to a tenant: a fault (contained or not), or an operator's ask."""
+
+    tenant: str
+    what: str
+
+
+def steps_with(gpu_policies: st.SearchStrategy[GpuPolicy]) -> st.SearchStrategy[object]:
+    """Random steps: tenants come, go and burst, footprints and policies change, time
+    passes, the world answers gates and ungates, tenants get stuck, operators act."""
     return st.one_of(
         st.builds(TenantAttached, tenants, gpu_sets),
         st.builds(TenantDetached, tenants),
@@ -72,6 +112,11 @@ def steps_with(gpu_policies: st.SearchStrategy[GpuPolicy]) -> st.SearchStrategy[
                 tq_s=st.sampled_from([None, None, 2.0]),
             ),
         ),
+        st.builds(Answer, st.integers(0, 5), st.sampled_from([True, True, True, False])),
+        st.builds(Answer, st.integers(0, 5), st.just(True)),
+        st.builds(
+            Trouble, tenants, st.sampled_from(["stuck", "stuck", "retry", "release", "retry"])
+        ),
         st.floats(0.01, 40.0),  # time passes
         st.floats(0.01, 40.0),
     )
@@ -82,24 +127,55 @@ steps = steps_with(policies)
 
 @dataclass
 class Run:
-    """Drives a scheduler like the daemon does and checks invariants as it goes."""
+    """Drives a scheduler like the daemon does, against a model of the world."""
 
     sched: Scheduler
     now: float = 0.0
+    answer_at_once: bool = False
+    """Every job succeeds as soon as it is asked (a world without faults)."""
+    jobs: dict[str, list[Action]] = field(default_factory=dict)
+    """Per tenant, the jobs asked and not answered yet, oldest first."""
+    frozen: set[str] = field(default_factory=set)
+    """Tenants the world has gated (their gate took, and no ungate since)."""
     gated: set[str] = field(default_factory=set)
+    """Tenants the core should believe gated, by the actions and answers so far."""
+    asked: dict[str, type] = field(default_factory=dict)
+    """Operators' asks (Retry or Release) not answered yet."""
     wait_started: dict[str, float] = field(default_factory=dict)
     attached_at: dict[str, float] = field(default_factory=dict)
     longest_wait: float = 0.0
+    answers: list[Event] = field(default_factory=list)
+    """Answers given and not fed to the core yet."""
 
-    def feed(self, event: Event) -> list[Action]:
-        if isinstance(event, TenantAttached):
-            self.attached_at.setdefault(event.tenant, self.now)
-        elif isinstance(event, TenantDetached):
-            self.attached_at.pop(event.tenant, None)
-        before = self.sched.view(self.now)
-        actions = self.sched.handle(event, self.now)
-        self.check(event, actions, before)
-        return actions
+    # ---- driving ------------------------------------------------------------
+
+    def feed(self, event: Event) -> None:
+        todo = self.answers = [event]
+        while todo:
+            event = todo.pop(0)
+            if isinstance(event, TenantAttached):
+                self.attached_at.setdefault(event.tenant, self.now)
+            before = self.sched.view(self.now)
+            self.note(event)
+            actions = self.sched.handle(event, self.now)
+            if isinstance(event, TenantFaulted | Released) and (
+                self.sched.tenant_state(event.tenant) is S.STUCK
+            ):
+                # As the engine does: what was queued for it before it got stuck is moot.
+                self.jobs.pop(event.tenant, None)
+                self.asked.pop(event.tenant, None)
+            if isinstance(event, TenantDetached) and event.tenant not in self.sched.tenant_ids():
+                self.jobs.pop(event.tenant, None)
+                self.frozen.discard(event.tenant)
+                self.asked.pop(event.tenant, None)
+            for action in actions:
+                self.jobs.setdefault(action.tenant, []).append(action)
+            self.check(event, actions, before)
+            if isinstance(event, TenantDetached) and event.tenant not in self.sched.tenant_ids():
+                self.attached_at.pop(event.tenant, None)
+            if self.answer_at_once:
+                while any(self.jobs.values()):
+                    todo += self.answer(next(t for t, j in self.jobs.items() if j), ok=True)
 
     def pass_time(self, seconds: float) -> None:
         """Advance, waking at every deadline on the way (as the daemon does)."""
@@ -107,24 +183,121 @@ class Run:
             self.now += step
             self.feed(Tick())
 
+    def step(self, step: object) -> None:
+        if isinstance(step, float):
+            self.pass_time(step)
+        elif isinstance(step, Answer):
+            waiting = sorted(t for t, j in self.jobs.items() if j)
+            if waiting:
+                for event in self.answer(waiting[step.pick % len(waiting)], ok=step.ok):
+                    self.feed(event)
+        elif isinstance(step, Trouble):
+            self.trouble(step)
+        else:
+            assert isinstance(step, Event.__args__)  # type: ignore[attr-defined]
+            self.feed(step)
+
+    def answer(self, tenant: str, *, ok: bool) -> list[Event]:
+        """The world carries out ``tenant``'s oldest job; what the core hears of it."""
+        job = self.jobs[tenant].pop(0)
+        match job:
+            case Gate():
+                if ok:
+                    self.frozen.add(tenant)
+                    return [Gated(tenant)]
+                return [TenantFaulted(tenant, "gate", "the freeze timed out", contained=False)]
+            case Ungate():
+                if ok or tenant not in self.frozen:  # nothing to thaw cannot fail
+                    self.frozen.discard(tenant)
+                    return []
+                return [TenantFaulted(tenant, "ungate", "cgroup.freeze refused", contained=True)]
+            case Retry():
+                self.asked.pop(tenant, None)
+                if ok:
+                    self.frozen.add(tenant)
+                    return [Mended(tenant, Residency.RESIDENT)]
+                self.frozen.add(tenant)
+                return [TenantFaulted(tenant, "retry", "still out of step")]
+            case Release():
+                self.asked.pop(tenant, None)
+                if ok:
+                    self.frozen.discard(tenant)
+                    return [Released(tenant, complete=True)]
+                return [
+                    Released(
+                        tenant, False, "pid 7: unlock refused", contained=tenant in self.frozen
+                    )
+                ]
+        return []  # swaps: this world's tenants use no memory that moves
+
+    def trouble(self, trouble: Trouble) -> None:
+        tenant = trouble.tenant
+        if tenant not in self.sched.tenant_ids():
+            return
+        if trouble.what == "stuck":
+            # The shell fenced it (the freezer) before it said so: it does not run.
+            self.frozen.add(tenant)
+            self.feed(TenantFaulted(tenant, "swap-out", "checkpoint hung", Residency.UNKNOWN))
+        elif trouble.what == "retry":
+            self.feed(RetryAsked(tenant))
+        else:
+            self.feed(ReleaseAsked(tenant))
+
+    def note(self, event: Event) -> None:
+        """What the core should believe gated once ``event`` is in."""
+        if isinstance(event, TenantFaulted):
+            (self.gated.add if event.contained else self.gated.discard)(event.tenant)
+        elif isinstance(event, Mended):
+            self.gated.add(event.tenant)
+        elif isinstance(event, Released) and event.complete:
+            self.gated.discard(event.tenant)
+
+    # ---- checking ------------------------------------------------------------
+
     def check(self, event: Event, actions: list[Action], before: object) -> None:
         existing = self.sched.tenant_ids()
-        # Never an action for a tenant that does not exist.
         assert all(a.tenant in existing for a in actions), (event, actions)
-        # Gate and ungate alternate; gated == waiting.
+        view = self.sched.view(self.now)
+        by_id = {t.tenant: t for t in view.tenants}
+        gating = {g.gpu for g in view.gpus if g.gating}
         self.gated &= existing
         for action in actions:
+            t = by_id[action.tenant]
             if isinstance(action, Gate):
                 assert action.tenant not in self.gated, f"double gate {action}"
                 self.gated.add(action.tenant)
-            else:
-                assert isinstance(action, Ungate)
+            elif isinstance(action, Ungate):
                 assert action.tenant in self.gated, f"ungate of an ungated {action}"
+                assert t.state is not S.STUCK, f"a stuck tenant let go: {action}"
                 self.gated.discard(action.tenant)
-        view = self.sched.view(self.now)
-        waiting = {t.tenant for t in view.tenants if t.state is S.WAITING}
-        assert self.gated == waiting
-        # Never two ungated bursting tenants on a gated GPU.
+                # Never let go where another bursting tenant may run.
+                for other in view.tenants:
+                    shared = other.gpus & t.gpus & gating
+                    if other.tenant == t.tenant or not shared or other.state not in BURSTING:
+                        continue
+                    assert other.tenant in self.frozen and not other.gate_pending, (
+                        f"{action} while {other.tenant} may run on GPU {shared}"
+                    )
+            elif isinstance(action, Retry | Release):
+                assert self.asked.get(action.tenant) is None, f"twice {action}"
+                assert t.state is S.STUCK, action
+                self.asked[action.tenant] = type(action)
+            else:  # swaps: only of gated tenants that are not stuck
+                assert t.state is not S.STUCK and t.gated, action
+        assert self.gated == {t.tenant for t in view.tenants if t.gated}, (event, actions)
+        for t in view.tenants:
+            # The core never believes a tenant gated while the world has it running
+            # (unless a job that gates it is still under way).
+            if t.gated and not t.gate_pending and t.tenant not in self.frozen:
+                pending = any(isinstance(j, Retry) for j in self.jobs.get(t.tenant, []))
+                assert pending, f"{t.tenant} runs, gated in the core ({event})"
+            if t.state is S.WAITING:
+                assert t.gated, f"{t.tenant} waits ungated"
+            if t.state is S.STUCK:
+                assert t.fault is not None and t.gated == t.fault.contained
+            else:
+                assert t.fault is None
+        # One holder per gating GPU; never a holder on a GPU a loose tenant keeps.
         for gpu in view.gpus:
             if not gpu.gating:
                 continue
@@ -149,8 +322,10 @@ class Run:
         for t in view.tenants:
             assert abs(t.ledger.total_s - (self.now - self.attached_at[t.tenant])) < 1e-6
             assert t.ledger.quanta >= t.ledger.preempted + t.ledger.early_releases
-        # No deadlock: while anyone waits, the core has a reason to wake.
-        if waiting:
+        # No deadlock: while anyone waits, the core has a reason to wake or an answer
+        # is outstanding.
+        waiting = {t.tenant for t in view.tenants if t.state is S.WAITING}
+        if waiting and not any(self.jobs.values()) and not self.answers:
             assert self.sched.next_deadline() is not None
         # Waits, measured exactly at the event that starts or ends them.
         for tenant in existing | set(self.wait_started):
@@ -168,14 +343,18 @@ class Run:
     st.lists(steps, min_size=10, max_size=80),
 )
 def test_invariants_hold_over_random_event_sequences(
-    initial: dict[str, GpuPolicy], opening: list[Event], script: list[Event | float]
+    initial: dict[str, GpuPolicy], opening: list[Event], script: list[object]
 ) -> None:
     run = Run(Scheduler(initial))
     for step in [*opening, *script]:
-        if isinstance(step, float):
-            run.pass_time(step)
-        else:
-            run.feed(step)
+        run.step(step)
+    # The world answers everything still asked of it; it all settles.
+    for _ in range(500):
+        if not any(run.jobs.values()):
+            break
+        run.step(Answer(0, ok=True))
+        run.pass_time(1.0)
+    assert not any(run.jobs.values()), f"jobs keep coming: {run.jobs}"
 
 
 @settings(max_examples=200, deadline=None)
@@ -184,16 +363,19 @@ def test_invariants_hold_over_random_event_sequences(
     tq=st.sampled_from([1.0, 7.5, 30.0]),
     arrivals=st.lists(st.floats(0, 20), min_size=6, max_size=6),
     pauses=st.lists(st.floats(0.05, 3.0), min_size=1, max_size=50),
+    stuck=st.booleans(),
 )
 def test_no_starvation_every_waiter_is_granted_within_bound(
-    n: int, tq: float, arrivals: list[float], pauses: list[float]
+    n: int, tq: float, arrivals: list[float], pauses: list[float], stuck: bool
 ) -> None:
     """With n tenants always busy when let run, no wait exceeds (n-1)*TQ.
 
     Hand-overs are instantaneous in the core, so the allowance per hand-over is
-    zero here; the daemon adds its own hand-over time on top.
+    zero here; the daemon adds its own hand-over time on top. A stuck tenant
+    (``stuck``) takes no turn and holds nobody up: the others still wait at most
+    (n-2)*TQ.
     """
-    run = Run(Scheduler({"0": GpuPolicy(tq_s=tq, idle_release_s=5.0)}))
+    run = Run(Scheduler({"0": GpuPolicy(tq_s=tq, idle_release_s=5.0)}), answer_at_once=True)
     names = TENANTS[:n]
     for name in names:
         run.feed(TenantAttached(name, frozenset({"0"})))
@@ -201,9 +383,15 @@ def test_no_starvation_every_waiter_is_granted_within_bound(
     for at, name in order:
         run.pass_time(max(0.0, at - run.now))
         run.feed(ActivitySeen(name))
+    busy = list(names)
+    if stuck:
+        run.trouble(Trouble(names[0], "stuck"))
+        busy.remove(names[0])
+        run.wait_started.clear()
+        run.longest_wait = 0.0
     for pause in pauses * 4:
         run.pass_time(pause)
-        for name in names:
+        for name in busy:
             if run.sched.tenant_state(name) is not S.WAITING:
                 run.feed(ActivitySeen(name))
-    assert run.longest_wait <= (n - 1) * tq + 1e-9
+    assert run.longest_wait <= (len(busy) - 1) * tq + 1e-9

@@ -9,6 +9,7 @@ from kiwid.core.events import (
     ActivitySeen,
     FootprintSeen,
     Gate,
+    Gated,
     GpusConfigured,
     TenantAttached,
     TenantDetached,
@@ -33,9 +34,15 @@ class Harness:
         self.actions: list[object] = []
 
     def do(self, event: object) -> list[object]:
-        out = self.sched.handle(event, self.clock.now())  # type: ignore[arg-type]
+        """Handle ``event``; every gate asked for takes at once (``Gated``), as in the shell."""
+        out: list[object] = []
+        todo = [event]
+        while todo:
+            actions = self.sched.handle(todo.pop(0), self.clock.now())  # type: ignore[arg-type]
+            out += actions
+            todo += [Gated(a.tenant) for a in actions if isinstance(a, Gate)]
         self.actions.extend(out)
-        return list(out)
+        return out
 
     def attach(self, *names: str, gpus: tuple[str, ...] = ("0",)) -> None:
         for name in names:

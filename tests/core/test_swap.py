@@ -11,6 +11,7 @@ from kiwid.core.events import (
     Event,
     FootprintSeen,
     Gate,
+    Gated,
     GpusConfigured,
     SwapFinished,
     SwapIn,
@@ -65,6 +66,8 @@ class Card:
             actions = self.sched.handle(todo.pop(0), self.clock.now())
             out += actions
             for action in actions:
+                if isinstance(action, Gate):
+                    todo.append(Gated(action.tenant))
                 if isinstance(action, SwapOut | SwapIn):
                     direction = "out" if isinstance(action, SwapOut) else "in"
                     ok = action.tenant not in self.fail
@@ -121,10 +124,10 @@ def test_checkpoint_rotation_of_three_tenants_that_do_not_fit_together() -> None
     assert card.resident() == {"b"}
     assert card.run(30) == [Gate("b"), SwapOut("b"), SwapIn("c"), Ungate("c")]
     # a is known now (47.5 GiB) and fits beside c: it is restored (prefetched)
-    # before c's quantum ends, let go at once, and c is checkpointed after, so
-    # that a waits neither for its own restore nor for c's checkpoint.
-    assert card.run(30) == [SwapIn("a"), Gate("c"), Ungate("a"), SwapOut("c")]
-    assert card.run(30) == [SwapIn("b"), Gate("a"), Ungate("b"), SwapOut("a")]
+    # before c's quantum ends, and let go as soon as c's gate took, while c's
+    # checkpoint runs: a waits neither for its own restore nor for c's checkpoint.
+    assert card.run(30) == [SwapIn("a"), Gate("c"), SwapOut("c"), Ungate("a")]
+    assert card.run(30) == [SwapIn("b"), Gate("a"), SwapOut("a"), Ungate("b")]
     assert card.resident() == {"b"}
 
 
@@ -276,6 +279,7 @@ def test_a_holder_whose_memory_is_moving_starts_its_quantum_when_let_go() -> Non
     # else happens until the shell reports the swap-out.
     out = card.sched.handle(Tick(), card.clock.now())
     assert out == [Gate("a"), SwapOut("a")]
+    assert card.sched.handle(Gated("a"), card.clock.now()) == []  # the freeze took
     for _ in range(20):  # 20 s of swapping: b shows no activity, yet is not released
         card.clock.advance(1)
         assert card.sched.handle(Tick(), card.clock.now()) == []
@@ -319,7 +323,7 @@ def test_the_next_in_line_is_prefetched_by_its_restore_time_before_the_turn() ->
     # Prefetched 40 GiB / 8 GB/s + 1 s before b's quantum ends; let go at its end.
     assert at[SwapIn("a")] == pytest.approx(30 - (40 * GiB / 8e9 + 1), abs=1e-6)
     assert at[Ungate("a")] == 30
-    assert [a for _, a in seen] == [SwapIn("a"), Gate("b"), Ungate("a"), SwapOut("b")]
+    assert [a for _, a in seen] == [SwapIn("a"), Gate("b"), SwapOut("b"), Ungate("a")]
 
 
 def test_no_prefetch_that_would_not_fit_beside_the_resident() -> None:

@@ -24,6 +24,7 @@ from kiwid.core.events import (
     FootprintRemembered,
     FootprintSeen,
     Gate,
+    Gated,
     MemoryFreeSeen,
     SwapFinished,
     SwapIn,
@@ -95,16 +96,20 @@ class TimedCard:
     def do(self, event: Event) -> None:
         """Hand ``event`` to the scheduler and carry out what it asks for."""
         now = self.clock.now()
+        gated: list[str] = []
         for action in self.sched.handle(event, now):
             self.log.append((now, action))
             match action:
                 case Gate(tenant=t):
                     self.running.discard(t)
+                    gated.append(t)
                 case Ungate(tenant=t):
                     self.running.add(t)
                 case SwapOut(tenant=t) | SwapIn(tenant=t):
                     direction = "out" if isinstance(action, SwapOut) else "in"
                     self.lanes[direction].append(Swap(t, direction, 0, math.inf, math.inf))
+        for t in gated:  # a gate takes at once here
+            self.do(Gated(t))
         self._start_swaps()
 
     def join(self, name: str, gib: float, remembered: int | None = None) -> None:

@@ -125,6 +125,7 @@ GPU_RULES = {
     "poll_interval": _within("poll_interval", float, "seconds", 0.05, 60),
     "gate": _choice("gate", GATES),
     "gate_timeout": _within("gate_timeout", float, "seconds", 0.1, 60),
+    "driver_timeout": _within("driver_timeout", float, "seconds", 1, 3600),
 }
 SIM_RULES = {
     "devices": _within("sim_devices", int, "devices", 1, 64),

@@ -191,6 +191,14 @@ class GpuSettings:
     ``WatchdogSec=30s``): kiwid pings the watchdog every half interval from the
     loop that waits for gates, so a longer gate could let it expire."""
 
+    driver_timeout: float = 10.0
+    """Seconds a driver call (lock, unlock, a process's state) or a gate that keeps
+    failing may take before its tenant is stuck: it stays gated (fenced with the
+    freezer if its lock cannot be trusted), holds nothing, and the others rotate on.
+    A checkpoint or restore gets this plus twice its size at the slowest rate
+    expected (1 GB/s out, 2 GB/s in; the simulated GPU's own rates). Default 10.
+    Range 1 to 3600, and at least ``gate_timeout``."""
+
     sim_devices: int = 1
     """Number of simulated GPUs (``[gpu.sim] devices``) for backend ``"sim"``.
     Default 1. Range 1 to 64."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiwid.core.model import GpuId, GpuPolicy, TenantId, TenantPolicy
 from kiwid.core.residency import Residency
@@ -112,6 +112,10 @@ class TenantFaulted:
     """Where its memory is by the driver: ``RESIDENT``, ``HOST`` or ``UNKNOWN``
     (``None``: where the scheduler last put it)."""
     contained: bool = True
+    pid: int | None = None
+    """The process the failing call was about, if one."""
+    answer: str | None = None
+    """What the driver (or the kernel) answered, e.g. ``CUDA_ERROR_OPERATING_SYSTEM (304)``."""
 
 
 @dataclass(frozen=True)
@@ -286,6 +290,9 @@ class SwapOut:
     """
 
     tenant: TenantId
+    sizes: tuple[tuple[GpuId, int], ...] = field(default=(), compare=False)
+    """What leaves, per GPU, by the scheduler's own count (the state file records
+    it ahead of the checkpoint): one owner of where memory is."""
 
 
 @dataclass(frozen=True)

@@ -233,7 +233,7 @@ def swap_out(table: TenantTable, t: TenantRecord, actions: list[Action]) -> None
     if _floor_refusal(table, t) is not None:
         return
     t.residency = move(t.residency, Move.SWAP_OUT)
-    actions.append(SwapOut(t.id))
+    actions.append(SwapOut(t.id, tuple((g, t.size(g)) for g in sorted(t.gpus))))
 
 
 # ---------------------------------------------------------------- hand-overs

@@ -380,7 +380,7 @@ class Scheduler:
             return set()
         if event.operation == "gate" and not tenant.answer_gate():
             return set()  # a gate it no longer needs (let go since) failed: no matter
-        fault = Fault(event.operation, event.reason, now, event.contained)
+        fault = Fault(event.operation, event.reason, now, event.contained, event.pid, event.answer)
         self._t.fault(tenant, fault, event.memory, now)
         return set(tenant.gpus)
 

@@ -97,7 +97,15 @@ def _fault(tenant: TenantRecord) -> FaultView | None:
     fault = tenant.fault
     if fault is None:
         return None
-    return FaultView(fault.operation, fault.reason, fault.at, fault.contained, tenant.mending)
+    return FaultView(
+        fault.operation,
+        fault.reason,
+        fault.at,
+        fault.contained,
+        tenant.mending,
+        fault.pid,
+        fault.answer,
+    )
 
 
 def _handover_waits_for(

@@ -24,6 +24,8 @@ class Fault:
     """When (monotonic seconds)."""
     contained: bool
     """Whether kiwid knows it does not run (gated, locked or fenced)."""
+    pid: int | None = None
+    answer: str | None = None
 
 
 @dataclass

@@ -68,6 +68,8 @@ class FaultView:
     """Whether kiwid knows it does not run (else it keeps the others off its GPUs)."""
     mending: bool = False
     """An operator's retry or release is under way."""
+    pid: int | None = None
+    answer: str | None = None
 
 
 @dataclass(frozen=True)

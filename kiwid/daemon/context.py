@@ -71,6 +71,8 @@ class Context:
     """Each tenant's weight, priority, TQ and swap policy, and where they came from."""
     started: float = 0.0
     """Monotonic time kiwid started at."""
+    state_trouble: str | None = None
+    """Why the state file kiwid found at start could not be used (``None``: it could)."""
 
     def policies(self) -> dict[str, GpuPolicy]:
         """The policy in force on every healthy GPU."""

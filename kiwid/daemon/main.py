@@ -32,9 +32,11 @@ from kiwid.daemon.context import Context
 from kiwid.daemon.control.admission import Admission
 from kiwid.daemon.control.commands import Commands
 from kiwid.daemon.control.status import StatusCache
-from kiwid.daemon.engine.effects import Effects, SwapGuards
+from kiwid.daemon.engine.deadlines import deadlines
+from kiwid.daemon.engine.effects import Effects
 from kiwid.daemon.engine.engine import Engine
 from kiwid.daemon.engine.executor import Lanes
+from kiwid.daemon.engine.tools import SwapGuards
 from kiwid.daemon.gating import checkpointable, recovery
 from kiwid.daemon.gating.gates import CudaLockGate, FreezeGate, NullGate, TenantGate
 from kiwid.daemon.gating.state import StateError, StateFile, StateLocked
@@ -96,7 +98,7 @@ def make_gate(settings: Settings) -> TenantGate:
         support = cudalock.probe()
         if support.available:
             log.info("Gate: the CUDA driver's process lock (gpu.gate = %s)", method)
-            return CudaLockGate(cudalock.CudaLock(), timeout)
+            return CudaLockGate(cudalock.CudaLock(), timeout, fence=_fence(timeout))
         level = logging.WARNING if method == "cuda-lock" else logging.INFO
         log.log(
             level,
@@ -110,6 +112,15 @@ def make_gate(settings: Settings) -> TenantGate:
         return NullGate()
     log.info("Gate: the cgroup freezer")
     return gate
+
+
+def _fence(timeout: float) -> FreezeGate | None:
+    """The freezer that holds a tenant whose CUDA lock cannot be trusted (``None``: none)."""
+    try:
+        return FreezeGate(CgroupLayout.detect(), timeout)
+    except CgroupError as err:
+        log.warning("No cgroup freezer to fence a tenant whose lock fails: %s", err)
+        return None
 
 
 def make_swapper(settings: Settings, backend: GpuBackend, gate: TenantGate) -> Swapper | None:
@@ -156,13 +167,8 @@ def assemble(
     settings = loaded.settings
     state = StateFile(settings.daemon.state_dir)
     workloads = WorkloadBook(settings.daemon.state_dir)
-    engine = Engine(
-        Scheduler(),
-        TenantTracker(identify),
-        Effects(gate, state, swapper, clock),
-        clock,
-        lanes=lanes,
-    )
+    effects = Effects(gate, state, swapper, clock)
+    engine = Engine(Scheduler(), TenantTracker(identify), effects, clock, lanes=lanes)
     ctx = Context(
         config_path=config_path,
         settings=settings,
@@ -180,11 +186,17 @@ def assemble(
     # memory.checkpoint_retry_after as in force now: read from the settings a reload swaps.
     workloads.retry_after_s = lambda: ctx.settings.memory.checkpoint_retry_after
     engine.executor.lanes = lanes or ctx.lanes()
-    engine.effects.guards = SwapGuards(
+    effects.tools.guards = SwapGuards(
         free_bytes=ctx.free_bytes,
         reserve_bytes=lambda: ctx.settings.memory.reserve_mib * gpu_policy.MIB,
         unswappable=checkpointable.why_not,
         checkpoint_failed=workloads.checkpoint_failed,
+    )
+    # gpu.driver_timeout as in force now: a failing gate is tried again that long,
+    # and each job gets its deadline from it (read from the settings a reload swaps).
+    effects.tools.retry_for_s = lambda: ctx.settings.gpu.driver_timeout
+    engine.deadline_s = deadlines(
+        lambda: ctx.settings.gpu.driver_timeout, lambda: ctx.settings.gpu.gate_timeout, swapper
     )
     for warning in loaded.warnings:
         log.warning("%s: %s", config_path, warning)

@@ -24,7 +24,8 @@ from kiwid.core.events import (
     TenantDetached,
 )
 from kiwid.daemon.context import Context
-from kiwid.daemon.gating.state import GatedRecord
+from kiwid.daemon.gating.gates import start_of
+from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.tenants.tracker import GpuSample, Hidden
 
 log = logging.getLogger("kiwid")
@@ -42,6 +43,22 @@ def hidden_tenants(records: Mapping[str, GatedRecord]) -> dict[str, Hidden]:
         for key, r in records.items()
         if r.swapped
     }
+
+
+def follow_new_processes(ctx: Context) -> None:
+    """Lock the processes a tenant gated by the CUDA lock started since its gate.
+
+    The freezer holds a whole cgroup, new processes too; the lock holds only the
+    processes it was taken on, so each poll hands the new ones to the engine.
+    """
+    tenants = ctx.engine.tracker.tenants
+    for key, record in ctx.state.records.items():
+        info = tenants.get(key)
+        if record.method != "cuda-lock" or info is None or not ctx.engine.scheduler.gated(key):
+            continue
+        new = info.pids - set(record.pids)
+        if new:
+            ctx.engine.follow(key, {pid: start_of(pid) for pid in sorted(new)})
 
 
 def poll(ctx: Context) -> list[Event]:
@@ -77,6 +94,7 @@ def poll(ctx: Context) -> list[Event]:
         samples.append(GpuSample(gid, processes, active))
     hidden = hidden_tenants(ctx.state.records)
     events = ctx.engine.tracker.observe(samples, ctx.clock(), lost, hidden)
+    follow_new_processes(ctx)
     if health_changed:
         events.insert(0, ctx.configured())
     # A new tenant's policy before its first footprint and activity: a tenant whose

@@ -215,6 +215,11 @@ class Daemon:
             if deadline is not None and deadline <= ctx.clock():
                 self.engine.tick()
                 deadline = self.engine.scheduler.next_deadline()
+            overdue = self.engine.next_deadline()  # a job whose driver call hangs
+            if overdue is not None and overdue <= ctx.clock():
+                self.engine.expire()
+                overdue = self.engine.next_deadline()
+            deadline = min((d for d in (deadline, overdue) if d is not None), default=None)
             if watchdog_every is not None and ctx.clock() >= next_ping:
                 ctx.notifier.watchdog()  # from the loop: a hung loop stops the pings
                 next_ping = ctx.clock() + watchdog_every

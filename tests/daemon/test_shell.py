@@ -24,7 +24,8 @@ from kiwid.adapters.control import request
 from kiwid.adapters.sim import SimBackend
 from kiwid.config import load_config
 from kiwid.core.clock import FakeClock
-from kiwid.daemon.gating.state import GatedRecord, StateFile
+from kiwid.daemon.gating.record import GatedRecord
+from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.main import assemble
 from kiwid.daemon.server import RUNTIME_FAILURE, Daemon
 from kiwid.daemon.tenants.identify import identify

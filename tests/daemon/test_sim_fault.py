@@ -17,7 +17,7 @@ import pytest
 
 from kiwid.adapters.control import ControlError
 from kiwid.adapters.sim import SimBackend
-from kiwid.daemon.gating.state import GatedRecord
+from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.swap import SimSwapper, SwapError
 from tests.daemon.conftest import wait_for
 from tests.daemon.test_swap_e2e import TENANT, a_holds_b_waits, holder, start, swapped

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from kiwid.daemon.gating import state as state_module
-from kiwid.daemon.gating.state import GatedRecord, StateFile
+from kiwid.daemon.gating.record import GatedRecord
+from kiwid.daemon.gating.state import StateFile
 
 
 def record(tenant: str) -> GatedRecord:

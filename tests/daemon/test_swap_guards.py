@@ -18,7 +18,8 @@ from kiwid.core.events import MemoryFreeSeen, SwapFinished, SwapIn, SwapOut
 from kiwid.daemon.engine.effects import Effects, SwapGuards
 from kiwid.daemon.engine.executor import Executor
 from kiwid.daemon.gating.gates import NullGate
-from kiwid.daemon.gating.state import GatedRecord, StateFile
+from kiwid.daemon.gating.record import GatedRecord
+from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.gating.swap import SimSwapper
 
 GiB = 2**30

@@ -17,15 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from kiwid.core.events import Action, ActivitySeen, Event, SwapOut, TenantDetached, Tick
+from kiwid.core.events import (
+    Action,
+    ActivitySeen,
+    Event,
+    Released,
+    SwapOut,
+    TenantDetached,
+    TenantFaulted,
+    Tick,
+)
 from kiwid.core.model import TenantState
+from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler, Transition
 from kiwid.core.states import Trigger
-from kiwid.daemon.engine.effects import Effects
+from kiwid.daemon.engine.effects import OPERATIONS, Effects
 from kiwid.daemon.engine.executor import Executor, Job, Kind, Lanes
 from kiwid.daemon.engine.records import Departed, Histogram, SwapProgress
 from kiwid.daemon.tenants.tracker import TenantInfo, TenantTracker
@@ -55,8 +66,13 @@ class Engine:
         clock: Callable[[], float],
         *,
         lanes: Lanes | None = None,
+        deadline_s: Callable[[Job, int], float] | None = None,
     ) -> None:
-        """Wire the parts; jobs are started once a :attr:`runner` is set."""
+        """Wire the parts; jobs are started once a :attr:`runner` is set.
+
+        ``deadline_s``: how long a job (and the bytes it moves) may take before its
+        tenant is stuck (default: for ever).
+        """
         self.scheduler = scheduler
         self.tracker = tracker
         self.effects = effects
@@ -74,6 +90,12 @@ class Engine:
         self._granted: dict[str, float] = {}  # tenant -> when it was granted, until let go
         self._rates: dict[str, float] = {}  # direction -> bytes/s of the last swap
         self._idle: list[Callable[[], None]] = []
+        self.deadline_s: Callable[[Job, int], float] = deadline_s or (lambda job, nbytes: math.inf)
+        self._due: dict[Job, float] = {}
+        self.abandoned: dict[Job, float] = {}
+        """Jobs that ran past their deadline and whose thread has not returned (a driver
+        call that hangs), with when they started: their tenant is stuck, and a retry
+        waits until they return."""
 
     # ------------------------------------------------------------ events in
 
@@ -95,9 +117,18 @@ class Engine:
                 log.warning("Swap out of %s not done: %s", who, notice)
             if detached:
                 self._submit(None, event.tenant)  # type: ignore[union-attr]
+            if isinstance(event, TenantFaulted | Released):
+                self._stuck(event.tenant)
             for action in actions:
                 self._submit(action, action.tenant)
         self._kick()
+
+    def _stuck(self, tenant: str) -> None:
+        """What was queued for a tenant that just got stuck is moot (its undo is not)."""
+        if self.scheduler.tenant_state(tenant) is not TenantState.STUCK:
+            return
+        for job in self.executor.drop_queued_of(tenant):
+            log.info("Not carrying out the %s of %s: it is stuck", job.kind.value, tenant)
 
     def tick(self) -> None:
         """Let the scheduler act on deadlines that have passed."""
@@ -111,21 +142,80 @@ class Engine:
             gone = self._departed.get(tenant)
             info = gone.info if gone else None
         gpus = info.gpus if info else frozenset()
-        sizes: dict[str, int] = {}
-        if isinstance(action, SwapOut) and info is not None:
-            peak = self.scheduler.peak(tenant)
-            sizes = {g: info.footprint.get(g) or peak.get(g, 0) for g in info.gpus}
+        sizes = dict(action.sizes) if isinstance(action, SwapOut) else {}
         self.executor.job(action, tenant, gpus, info=info, sizes=sizes)
+
+    def follow(self, tenant: str, pids: dict[int, int]) -> None:
+        """Lock the processes (pid -> start time) a gated tenant started since its gate."""
+        info = self.tracker.tenants.get(tenant)
+        if info is None or self.executor.busy(tenant):
+            return  # gone, or a job of it runs: the next poll looks again
+        self.executor.job(Kind.FOLLOW, tenant, info.gpus, info=info, pids=pids)
+        self._kick()
 
     def _kick(self) -> None:
         if self.runner is None or self.stopping:
             return
         for job in self.executor.startable():
-            self._started[job] = self._clock()
+            now = self._clock()
+            self._started[job] = now
+            nbytes = job.nbytes or sum(self.scheduler.peak(job.tenant).values())
+            self._due[job] = now + self.deadline_s(job, nbytes)
             self.runner.start(job)
+
+    # ------------------------------------------------------------ deadlines
+
+    def next_deadline(self) -> float | None:
+        """When the first running job runs past its deadline (``None``: no job runs)."""
+        return min(self._due.values(), default=None)
+
+    def expire(self) -> None:
+        """Give up on the jobs past their deadline: their tenants are stuck.
+
+        Their threads go on in the driver call that hangs; when one returns, what
+        it says is logged and no more (:meth:`finished`).
+        """
+        now = self._clock()
+        for job in [j for j, due in self._due.items() if due <= now]:
+            del self._due[job]
+            started = self._started.pop(job, now)
+            self.executor.finish(job)
+            self.abandoned[job] = started
+            self.generation += 1
+            log.error(
+                "The %s of %s ran past its deadline (%.0f s; gpu.driver_timeout): its "
+                "tenant is stuck, the others rotate on",
+                job.kind.value,
+                job.tenant,
+                now - started,
+            )
+            events = late(job, now - started)
+            self.apply(events)
+            if job.kind in (Kind.GATE, Kind.FOLLOW) and events:  # it may run: fence it
+                info = job.info or self.tracker.tenants.get(job.tenant)
+                fault = events[0] if isinstance(events[0], TenantFaulted) else None
+                self.executor.job(Kind.FENCE, job.tenant, job.gpus, info=info, fault=fault)
+        self._kick()
+
+    def hung(self, tenant: str) -> tuple[Job, float] | None:
+        """A job of ``tenant`` past its deadline whose call has not returned, and its start."""
+        return next(((j, s) for j, s in self.abandoned.items() if j.tenant == tenant), None)
 
     def finished(self, job: Job, events: Iterable[Event]) -> None:
         """A runner is done with ``job``; ``events`` are what it found out."""
+        started_late = self.abandoned.pop(job, None)
+        if started_late is not None:
+            log.warning(
+                "The %s of %s that ran past its deadline returned after %.1f s (%s); it "
+                "stays stuck until an operator retries or releases it",
+                job.kind.value,
+                job.tenant,
+                self._clock() - started_late,
+                ", ".join(type(e).__name__ for e in events) or "nothing to say",
+            )
+            self.generation += 1
+            return
+        self._due.pop(job, None)
         self.executor.finish(job)
         started = self._started.pop(job, None)
         now = self._clock()
@@ -239,3 +329,18 @@ def _who(info: TenantInfo | None, tenant: str) -> str:
     """A tenant as log lines name it: ``name (key)``, or the key alone."""
     name = info.identity.name if info else tenant
     return f"{name} ({tenant})" if name != tenant else tenant
+
+
+def late(job: Job, seconds: float) -> list[Event]:
+    """What the scheduler hears of a job that ran past its deadline."""
+    operation = OPERATIONS.get(job.kind)
+    if operation is None:  # a forget: its tenant is gone
+        return []
+    reason = (
+        f"its {job.kind.value} ran past its deadline ({seconds:.0f} s, gpu.driver_timeout): "
+        "the driver call has not returned"
+    )
+    if job.kind in (Kind.GATE, Kind.FOLLOW, Kind.FENCE):  # it may run until fenced
+        return [TenantFaulted(job.tenant, operation, reason, contained=False)]
+    moving = job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN, Kind.RETRY, Kind.RELEASE)
+    return [TenantFaulted(job.tenant, operation, reason, Residency.UNKNOWN if moving else None)]

@@ -28,7 +28,16 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kiwid.core.events import Action, Gate, SwapIn, SwapOut, Ungate
+from kiwid.core.events import (
+    Action,
+    Gate,
+    Release,
+    Retry,
+    SwapIn,
+    SwapOut,
+    TenantFaulted,
+    Ungate,
+)
 from kiwid.daemon.tenants.tracker import TenantInfo
 
 
@@ -41,6 +50,14 @@ class Kind(enum.StrEnum):
     SWAP_IN = "swap-in"
     FORGET = "forget"
     """The tenant left: undo what may remain of its gate, drop its record."""
+    RETRY = "retry"
+    """Mend a stuck tenant (an operator asked): gate it whole, find its memory."""
+    RELEASE = "release"
+    """Let a stuck tenant run on an operator's word: restore, unlock, thaw."""
+    FENCE = "fence"
+    """Freeze a tenant whose CUDA lock cannot be trusted (a call that never returned)."""
+    FOLLOW = "follow"
+    """Lock the processes a gated tenant started since it was gated."""
 
 
 _KINDS: dict[type, Kind] = {
@@ -48,7 +65,11 @@ _KINDS: dict[type, Kind] = {
     Ungate: Kind.UNGATE,
     SwapOut: Kind.SWAP_OUT,
     SwapIn: Kind.SWAP_IN,
+    Retry: Kind.RETRY,
+    Release: Kind.RELEASE,
 }
+UNDO_KINDS = frozenset({Kind.FORGET, Kind.FENCE, Kind.RETRY, Kind.RELEASE})
+"""What still runs for a stuck tenant: what keeps it safe or mends it."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +97,10 @@ class Job:
     """For a swap: the bytes it moves (per the scheduler's accounting)."""
     sizes: dict[str, int] = field(default_factory=dict)
     """For a swap-out: bytes per GPU (what the state file records)."""
+    pids: dict[int, int] = field(default_factory=dict)
+    """For a follow: the new processes to lock (pid -> start time)."""
+    fault: TenantFaulted | None = None
+    """For a fence: the fault that made it stuck (told again once it is fenced)."""
 
 
 class Executor:
@@ -90,17 +115,36 @@ class Executor:
 
     def job(
         self,
-        action: Action | None,
+        action: Action | Kind | None,
         tenant: str,
         gpus: frozenset[str],
         *,
         info: TenantInfo | None = None,
         sizes: dict[str, int] | None = None,
+        pids: dict[int, int] | None = None,
+        fault: TenantFaulted | None = None,
     ) -> Job:
-        """Queue the job that carries out ``action`` (``None``: forget ``tenant``)."""
-        kind = Kind.FORGET if action is None else _KINDS[type(action)]
+        """Queue the job that carries out ``action``.
+
+        ``None``: forget ``tenant``; a :class:`Kind`: a job of the shell's own, a
+        fence or a follow.
+        """
+        if isinstance(action, Kind):
+            kind = action
+        else:
+            kind = Kind.FORGET if action is None else _KINDS[type(action)]
         sizes = dict(sizes or {})
-        job = Job(next(self._seq), tenant, kind, gpus, info, sum(sizes.values()), sizes)
+        job = Job(
+            next(self._seq),
+            tenant,
+            kind,
+            gpus,
+            info,
+            sum(sizes.values()),
+            sizes,
+            dict(pids or {}),
+            fault,
+        )
         self._queued.append(job)
         return job
 
@@ -155,6 +199,13 @@ class Executor:
     def finish(self, job: Job) -> None:
         """A job handed out is done (whatever its outcome)."""
         self._running.discard(job)
+
+    def drop_queued_of(self, tenant: str, keep: Iterable[Kind] = UNDO_KINDS) -> list[Job]:
+        """Forget ``tenant``'s queued jobs but those of the ``keep`` kinds; return the dropped."""
+        kinds = set(keep)
+        dropped = [j for j in self._queued if j.tenant == tenant and j.kind not in kinds]
+        self._queued = [j for j in self._queued if j not in dropped]
+        return dropped
 
     def drop_queued(self, keep: Iterable[Kind] = ()) -> list[Job]:
         """Forget every queued job but those of the ``keep`` kinds; return the dropped."""

@@ -6,21 +6,26 @@
 * ``CudaLockGate`` takes the driver's process lock on each of the tenant's
   processes: only their CUDA calls stop, their CPU work goes on. The lock
   outlives the process that took it, so it is recorded like a freeze and undone
-  by ``kiwid recover`` or the next start.
+  by ``kiwid recover`` or the next start. A process the tenant starts later is
+  locked too (:meth:`CudaLockGate.follow`). When the lock cannot be trusted (a
+  call that failed half-way, or never returned), the tenant's cgroup is frozen
+  as well, a *fence* (:meth:`CudaLockGate.fence`): the freezer is the lever that
+  does not depend on the driver.
 * ``NullGate`` gates nothing: kiwid runs without the rights to freeze (not
   root), still schedules and shows the rotation, and says so at start.
 
-Every gate returns a :class:`~kiwid.daemon.gating.state.GatedRecord` that is enough to
-undo it from another process (``kiwid recover``), with what tells the gated thing
-apart from another under the same name: the cgroups' inode numbers, the
-processes' start times. Ungating checks them, so kiwid never thaws a cgroup (or
-unlocks a process) that it did not gate itself.
+Every gate returns a :class:`~kiwid.daemon.gating.record.GatedRecord` that is
+enough to undo it from another process (``kiwid recover``), with what tells the
+gated thing apart from another under the same name: the cgroups' inode numbers,
+the processes' start times. Ungating checks them, so kiwid never thaws a cgroup
+(or unlocks a process) that it did not gate itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from typing import Protocol
 
 from kiwid.adapters import procs
@@ -34,7 +39,7 @@ from kiwid.adapters.cgroups import (
     remove_isolation,
 )
 from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
-from kiwid.daemon.gating.state import GatedRecord
+from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.tenants.tracker import TenantInfo
 from kiwid.linux.proc import read_stat
 
@@ -42,7 +47,17 @@ log = logging.getLogger("kiwid.gate")
 
 
 class GateError(Exception):
-    """A tenant could not be gated or ungated."""
+    """A tenant could not be gated or ungated.
+
+    Attributes:
+        pid: The process the failing call was about (``None``: the whole tenant).
+        answer: What the driver or the kernel answered, e.g. ``CUDA_ERROR_TIMEOUT (909)``.
+    """
+
+    def __init__(self, message: str, pid: int | None = None, answer: str | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.answer = answer
 
 
 class TenantGate(Protocol):
@@ -74,6 +89,10 @@ class TenantGate(Protocol):
         """The tenant is gone: drop whatever the gate made for it."""
         ...
 
+    def holds(self, tenant: TenantInfo) -> bool:
+        """Whether the tenant is gated now by this gate's lever (whoever pulled it)."""
+        ...
+
 
 class FreezeGate:
     """Freeze a tenant's cgroup."""
@@ -82,7 +101,7 @@ class FreezeGate:
 
     def __init__(self, layout: CgroupLayout, timeout_s: float = 2.0) -> None:
         """Use the cgroup hierarchies of ``layout``; wait ``timeout_s`` for a freeze."""
-        self._layout = layout
+        self.layout = layout
         self._freezer = Freezer(layout, timeout_s=timeout_s)
         self._isolated: dict[str, CgroupRef] = {}
 
@@ -92,24 +111,32 @@ class FreezeGate:
         Raises:
             GateError: the bare process could not be isolated.
         """
+        ref = self.ref_of(tenant)
+        try:
+            ids = cgroup_ids(self.layout, ref)
+        except FreezeError as err:
+            raise GateError(f"{tenant.key}: {err}") from err
+        return _record(tenant, self.method, ref.v2, ref.v1_freezer, ids)
+
+    def ref_of(self, tenant: TenantInfo) -> CgroupRef:
+        """The cgroup that freezes ``tenant`` and nothing else (a bare process is isolated).
+
+        Raises:
+            GateError: the bare process could not be isolated.
+        """
         ident = tenant.identity
         if ident.dedicated:
-            ref = CgroupRef(v2=ident.cgroup_v2, v1_freezer=ident.cgroup_v1_freezer)
-        else:
-            if len(tenant.pids) != 1:
-                raise GateError(f"{ident.key}: a shared cgroup with several processes")
-            (pid,) = tenant.pids
-            try:
-                ref = self._isolated.get(ident.key) or isolate_process(pid, self._layout)
-            except (OSError, FreezeError) as err:
-                msg = f"{ident.key}: cannot move it into a cgroup of its own: {err}"
-                raise GateError(msg) from err
-            self._isolated[ident.key] = ref
+            return CgroupRef(v2=ident.cgroup_v2, v1_freezer=ident.cgroup_v1_freezer)
+        if len(tenant.pids) != 1:
+            raise GateError(f"{ident.key}: a shared cgroup with several processes")
+        (pid,) = tenant.pids
         try:
-            ids = cgroup_ids(self._layout, ref)
-        except FreezeError as err:
-            raise GateError(f"{ident.key}: {err}") from err
-        return _record(tenant, self.method, ref.v2, ref.v1_freezer, ids)
+            ref = self._isolated.get(ident.key) or isolate_process(pid, self.layout)
+        except (OSError, FreezeError) as err:
+            msg = f"{ident.key}: cannot move it into a cgroup of its own: {err}"
+            raise GateError(msg, pid) from err
+        self._isolated[ident.key] = ref
+        return ref
 
     def gate(self, record: GatedRecord) -> None:
         """Freeze the tenant's cgroup and wait until it is frozen.
@@ -120,7 +147,7 @@ class FreezeGate:
         try:
             self._freezer.freeze(_ref(record))
         except (OSError, FreezeError) as err:
-            raise GateError(f"{record.tenant}: {err}") from err
+            raise GateError(f"{record.tenant}: {err}", answer=_errno(err)) from err
 
     def ungate(self, record: GatedRecord) -> None:
         """Thaw the tenant's cgroup in every hierarchy, if it is the one kiwid froze.
@@ -133,7 +160,7 @@ class FreezeGate:
             GateError: the freezer refused to thaw it, or it is not kiwid's to thaw.
         """
         try:
-            now = cgroup_ids(self._layout, _ref(record))
+            now = cgroup_ids(self.layout, _ref(record))
         except FreezeError as err:
             raise GateError(f"{record.tenant}: {err}") from err
         paths = (record.cgroup_v2, record.cgroup_v1_freezer)
@@ -146,14 +173,23 @@ class FreezeGate:
         try:
             self._freezer.thaw(_ref(record))
         except (OSError, FreezeError) as err:
-            raise GateError(f"{record.tenant}: {err}") from err
+            raise GateError(f"{record.tenant}: {err}", answer=_errno(err)) from err
+
+    def holds(self, tenant: TenantInfo) -> bool:
+        """Whether ``tenant``'s cgroup is frozen now (by whoever froze it)."""
+        ident = tenant.identity
+        ref = CgroupRef(v2=ident.cgroup_v2, v1_freezer=ident.cgroup_v1_freezer)
+        try:
+            return self._freezer.is_frozen(ref)
+        except FreezeError:
+            return False
 
     def forget(self, tenant: str) -> None:
         """Remove the cgroup a bare process was moved into, once it is empty."""
         ref = self._isolated.pop(tenant, None)
         if ref is not None:
             with contextlib.suppress(OSError, FreezeError):
-                remove_isolation(ref, self._layout)
+                remove_isolation(ref, self.layout)
 
 
 class CudaLockGate:
@@ -161,10 +197,17 @@ class CudaLockGate:
 
     method = "cuda-lock"
 
-    def __init__(self, lock: CudaLock, timeout_s: float = 2.0) -> None:
-        """Use ``lock``; give the driver ``timeout_s`` to drain a process's work."""
+    def __init__(
+        self, lock: CudaLock, timeout_s: float = 2.0, fence: FreezeGate | None = None
+    ) -> None:
+        """Use ``lock``; give the driver ``timeout_s`` to drain a process's work.
+
+        ``fence``: the freezer that holds a tenant whose lock cannot be trusted
+        (``None``: no fence; such a tenant may run, and kiwid says so).
+        """
         self._lock = lock
         self._timeout_ms = max(1, int(timeout_s * 1000))
+        self._fence = fence
 
     @property
     def lock(self) -> CudaLock:
@@ -182,8 +225,22 @@ class CudaLockGate:
         Raises:
             GateError: a process could not be locked (none is left locked).
         """
+        self._lock_all(record, record.pids)
+
+    def follow(self, record: GatedRecord, pids: tuple[int, ...]) -> None:
+        """Lock ``pids``, processes a gated tenant started since it was gated.
+
+        A process with no CUDA context yet is left alone (it cannot run on the
+        GPU; the next poll that lists it locks it).
+
+        Raises:
+            GateError: one could not be locked (the others stay locked).
+        """
+        self._lock_all(record, pids, undo=False)
+
+    def _lock_all(self, record: GatedRecord, pids: tuple[int, ...], *, undo: bool = True) -> None:
         done: list[int] = []
-        for pid in record.pids:
+        for pid in pids:
             try:
                 # Already locked (or in host RAM): a previous kiwid gated it and
                 # this one re-adopts it. Locking again would fail, and dropping
@@ -192,39 +249,106 @@ class CudaLockGate:
                     continue
                 self._lock.lock(pid, self._timeout_ms)
             except CudaLockError as err:
-                for locked in done:
-                    with contextlib.suppress(CudaLockError):
-                        self._lock.unlock(locked)
-                raise GateError(f"{record.tenant}: cannot lock pid {pid}: {err}") from err
+                if err.name == "CUDA_ERROR_NOT_INITIALIZED" and procs.alive(pid):
+                    continue  # no CUDA context (yet): nothing of it runs on the GPU
+                if undo:
+                    for locked in done:
+                        with contextlib.suppress(CudaLockError):
+                            self._lock.unlock(locked)
+                raise GateError(
+                    f"{record.tenant}: cannot lock pid {pid}: {err}", pid, _answer(err)
+                ) from err
             done.append(pid)
 
-    def ungate(self, record: GatedRecord) -> None:
-        """Unlock every process that is still locked.
+    def fence(self, tenant: TenantInfo, record: GatedRecord) -> GatedRecord:
+        """The record with the cgroup that fences ``tenant`` (to write ahead, then freeze).
 
         Raises:
-            GateError: a live, locked process refused to unlock.
+            GateError: there is no fence here, or the tenant's cgroup cannot be found.
         """
-        failed: list[str] = []
-        for pid, start in record.pid_starts().items():
-            if not procs.alive(pid, start):
-                continue  # gone (or a zombie, or the PID is someone else's now)
-            try:
-                state = self._lock.state(pid)
-                if state is ProcessState.CHECKPOINTED:  # unlocking would strand it
-                    failed.append(f"pid {pid}: its memory is in host RAM; restore it first")
-                elif state is ProcessState.LOCKED:
-                    self._lock.unlock(pid)
-            except CudaLockError as err:
-                # A process being torn down (SIGKILLed) has no CUDA state left to
-                # query: the driver says NOT_INITIALIZED. Nothing stays locked.
-                if err.name == "CUDA_ERROR_NOT_INITIALIZED" or not procs.alive(pid):
-                    continue
-                failed.append(f"pid {pid}: {err}")
-        if failed:
-            raise GateError(f"{record.tenant}: cannot unlock {'; '.join(failed)}")
+        if self._fence is None:
+            raise GateError(f"{record.tenant}: no cgroup freezer to fence it with")
+        ref = self._fence.ref_of(tenant)
+        try:
+            ids = cgroup_ids(self._fence.layout, ref)
+        except FreezeError as err:
+            raise GateError(f"{record.tenant}: {err}") from err
+        return replace(
+            record, cgroup_v2=ref.v2, cgroup_v1_freezer=ref.v1_freezer, cgroup_ids=ids, fenced=True
+        )
+
+    def freeze_fence(self, record: GatedRecord) -> None:
+        """Freeze a fenced record's cgroup.
+
+        Raises:
+            GateError: no fence here, or it did not freeze.
+        """
+        if self._fence is None or not record.fenced:
+            raise GateError(f"{record.tenant}: no fence to freeze")
+        self._fence.gate(record)
+
+    def unfence(self, record: GatedRecord) -> GatedRecord:
+        """Thaw a fenced record's cgroup (its lock holds it again); the record without it.
+
+        Raises:
+            GateError: the fence would not thaw.
+        """
+        if record.fenced:
+            (self._fence or FreezeGate(CgroupLayout.detect())).ungate(record)
+        return replace(record, fenced=False)
+
+    def ungate(self, record: GatedRecord) -> None:
+        """Unlock every process that is still locked, then thaw its fence if it has one.
+
+        Raises:
+            GateError: a live, locked process refused to unlock, or the fence to thaw.
+        """
+        unlock_all(self._lock, record)
+        if record.fenced:
+            (self._fence or FreezeGate(CgroupLayout.detect())).ungate(record)
+
+    def holds(self, tenant: TenantInfo) -> bool:
+        """Whether a process of ``tenant`` is locked or checkpointed now."""
+        for pid in tenant.pids:
+            with contextlib.suppress(CudaLockError):
+                if self._lock.state(pid) is not ProcessState.RUNNING:
+                    return True
+        return False
 
     def forget(self, tenant: str) -> None:
-        """Nothing to drop: the lock lives in the driver and ends with the process."""
+        """Drop the fence's isolation cgroup, if any (the lock ends with the process)."""
+        if self._fence is not None:
+            self._fence.forget(tenant)
+
+
+def unlock_all(lock: CudaLock, record: GatedRecord) -> None:
+    """Unlock every live, locked process of ``record`` (restore those in host RAM first).
+
+    Raises:
+        GateError: a live process refused to unlock, or its memory stayed in host RAM.
+    """
+    failed: list[str] = []
+    first: GateError | None = None
+    for pid, start in record.pid_starts().items():
+        if not procs.alive(pid, start):
+            continue  # gone (or a zombie, or the PID is someone else's now)
+        try:
+            state = lock.state(pid)
+            if state is ProcessState.CHECKPOINTED:  # unlocking would strand it
+                failed.append(f"pid {pid}: its memory is in host RAM; restore it first")
+                first = first or GateError("", pid, "CHECKPOINTED")
+            elif state is ProcessState.LOCKED:
+                lock.unlock(pid)
+        except CudaLockError as err:
+            # A process being torn down (SIGKILLed) has no CUDA state left to
+            # query: the driver says NOT_INITIALIZED. Nothing stays locked.
+            if err.name == "CUDA_ERROR_NOT_INITIALIZED" or not procs.alive(pid):
+                continue
+            failed.append(f"pid {pid}: {err}")
+            first = first or GateError("", pid, _answer(err))
+    if failed:
+        message = f"{record.tenant}: cannot unlock {'; '.join(failed)}"
+        raise GateError(message, first.pid if first else None, first.answer if first else None)
 
 
 class NullGate:
@@ -245,6 +369,10 @@ class NullGate:
     def forget(self, tenant: str) -> None:
         """Do nothing."""
 
+    def holds(self, tenant: TenantInfo) -> bool:
+        """Nothing is ever held."""
+        return False
+
 
 def _record(
     tenant: TenantInfo,
@@ -254,15 +382,27 @@ def _record(
     ids: tuple[int | None, int | None] = (None, None),
 ) -> GatedRecord:
     pids = tuple(sorted(tenant.pids))
-    starts = []
-    for pid in pids:
-        stat = read_stat(pid)
-        starts.append(stat.start_ticks if stat is not None else 0)
-    return GatedRecord(tenant.key, method, v2, v1, pids, cgroup_ids=ids, starts=tuple(starts))
+    return GatedRecord(
+        tenant.key, method, v2, v1, pids, cgroup_ids=ids, starts=tuple(map(start_of, pids))
+    )
+
+
+def start_of(pid: int) -> int:
+    """A process's start time in clock ticks since boot (0 if it is gone)."""
+    stat = read_stat(pid)
+    return stat.start_ticks if stat is not None else 0
 
 
 def _ref(record: GatedRecord) -> CgroupRef:
     return CgroupRef(v2=record.cgroup_v2, v1_freezer=record.cgroup_v1_freezer)
+
+
+def _answer(err: CudaLockError) -> str:
+    return f"{err.name} ({err.code})"
+
+
+def _errno(err: Exception) -> str | None:
+    return f"errno {err.errno}" if isinstance(err, OSError) and err.errno else None
 
 
 def ungate_record(record: GatedRecord, layout: CgroupLayout | None = None) -> None:
@@ -278,6 +418,7 @@ def ungate_record(record: GatedRecord, layout: CgroupLayout | None = None) -> No
             lock = CudaLock()
         except CudaLockError as err:
             raise GateError(f"{record.tenant}: the CUDA lock is unavailable here: {err}") from err
-        CudaLockGate(lock).ungate(record)
+        fence = FreezeGate(layout or CgroupLayout.detect()) if record.fenced else None
+        CudaLockGate(lock, fence=fence).ungate(record)
     elif record.method != "none":
         raise GateError(f"{record.tenant}: unknown gate method {record.method!r}")

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from kiwid.adapters import procs
 from kiwid.daemon.gating.gates import GateError, TenantGate, ungate_record
-from kiwid.daemon.gating.state import GatedRecord, StateFile
+from kiwid.daemon.gating.record import GatedRecord
+from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.gating.swap import SwapError, Swapper, restore_record
 
 log = logging.getLogger("kiwid.recovery")
@@ -49,7 +50,9 @@ def undo_with(
     def undo(record: GatedRecord) -> Undo:
         ungate = gate.ungate if gate is not None and gate.method == record.method else ungate_record
         restore = offline_restore
-        if swapper is not None and swapper.method == record.swap_method:
+        made_here = swapper is not None and swapper.method == record.swap_method
+        locked_here = swapper is not None and swapper.method == "checkpoint"
+        if swapper is not None and (made_here or (locked_here and record.method == "cuda-lock")):
             restore = swapper.swap_in
         return Undo(ungate, restore)
 
@@ -62,27 +65,36 @@ def alive(record: GatedRecord) -> bool:
 
 
 def release(record: GatedRecord, undo: Undo, note: str = "") -> str | None:
-    """Restore (if swapped and alive) and ungate one tenant; why not, if it could not.
+    """Restore (if alive), ungate and unfence one tenant; why not, if it could not.
 
+    The driver's word decides, not only the record: a tenant locked by the CUDA
+    gate has every checkpointed process restored before it is unlocked, also
+    when the record says nothing of host RAM (a kiwid killed during a
+    checkpoint), and a checkpoint that ended meanwhile is restored in turn.
     ``note`` ends the log line (e.g. who left it gated).
     """
-    if record.swapped:
-        if not alive(record):
-            log.info("Dropped %s: its processes are gone (and its host memory)", record.tenant)
-            return None
+    if record.swapped and not alive(record):
+        log.info("Dropped %s: its processes are gone (and its host memory)", record.tenant)
+        return None
+    for attempt in range(3):
         try:
             undo.restore(record)
         except SwapError as err:
+            nbytes = sum((record.swapped or {}).values())
             return (
-                f"its {sum(record.swapped.values())} bytes stay in host RAM and it stays "
+                f"its memory ({nbytes} bytes by the record) stays in host RAM and it stays "
                 f"gated ({err}). Free GPU memory (stop another job) and run `kiwid recover` "
                 f"again, or end the tenant (pids {' '.join(map(str, record.pids))})"
             )
+        try:
+            undo.ungate(record)
+        except GateError as err:
+            if err.answer == "CHECKPOINTED" and attempt < 2:
+                continue  # a checkpoint in flight ended meanwhile: restore it too
+            return str(err)
+        break
+    if record.swapped:
         log.info("Restored %s's memory from host RAM", record.tenant)
-    try:
-        undo.ungate(record)
-    except GateError as err:
-        return str(err)
     log.info("Ungated %s%s", record.tenant, note)
     return None
 

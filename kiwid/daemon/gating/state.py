@@ -31,51 +31,20 @@ import stat
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from kiwid.daemon.gating.record import BadRecord, GatedRecord, parse_record, record_json
 from kiwid.linux.files import read_regular, write_atomic
 
 log = logging.getLogger("kiwid.state")
 
-STATE_VERSION = 2
+STATE_VERSION = 3
+READS = (2, 3)
+"""Versions this kiwid reads: 3 added ``fenced``, ``fault`` and the ``unusable`` table."""
 MAX_STATE_BYTES = 64 * 1024 * 1024
 """A state file larger than this is not read (a runaway or a wrong file)."""
-_METHODS = ("freeze", "cuda-lock", "none")
-_SWAP_METHODS = ("checkpoint", "sim")
-
-
-@dataclass(frozen=True)
-class GatedRecord:
-    """How to ungate one tenant, whatever happened to kiwid."""
-
-    tenant: str
-    method: str
-    """``freeze``, ``cuda-lock`` or ``none``."""
-    cgroup_v2: str | None
-    cgroup_v1_freezer: str | None
-    pids: tuple[int, ...]
-    swapped: dict[str, int] | None = None
-    """Its GPU memory is (being) swapped to host RAM: bytes per GPU. Recovery
-    brings it back (when it fits) before letting the tenant go."""
-    swap_method: str | None = None
-    """How it was swapped: ``checkpoint`` (the driver) or ``sim``."""
-    cgroup_ids: tuple[int | None, int | None] = (None, None)
-    """Inode numbers of the v2 and v1 freezer cgroup directories it froze."""
-    starts: tuple[int, ...] = ()
-    """Start time (clock ticks since boot) of each of ``pids``, in the same order."""
-
-    def pid_starts(self) -> dict[int, int | None]:
-        """Each pid with its recorded start time (``None`` if not recorded)."""
-        return {
-            pid: self.starts[i] if i < len(self.starts) else None for i, pid in enumerate(self.pids)
-        }
-
-
-class BadRecord(ValueError):
-    """One record of the state file is not of the documented shape."""
 
 
 class StateError(Exception):
@@ -84,89 +53,6 @@ class StateError(Exception):
 
 class StateLocked(StateError):
     """Another live kiwid holds the state directory."""
-
-
-def _path(raw: Any, key: str) -> str | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, str):
-        raise BadRecord(f"{key} must be a cgroup path or null, not {type(raw).__name__}")
-    if not raw.startswith("/") or "\0" in raw or any(part == ".." for part in raw.split("/")):
-        raise BadRecord(f"{key} {raw!r} is not an absolute cgroup path")
-    return raw
-
-
-def _int(raw: Any, what: str, *, low: int = 0) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < low:
-        raise BadRecord(f"{what} must be an integer >= {low}, not {raw!r}")
-    return raw
-
-
-def parse_record(key: Any, raw: Any) -> GatedRecord:
-    """Check one record of the file; name what is wrong.
-
-    Raises:
-        BadRecord: the record is not of the documented shape.
-    """
-    if not isinstance(key, str) or not key or not key.isprintable():
-        raise BadRecord("the tenant key is not a printable string")
-    if not isinstance(raw, dict):
-        raise BadRecord("the record is not an object")
-    method = raw.get("method")
-    if method not in _METHODS:
-        raise BadRecord(f"unknown gate method {method!r}")
-    v2 = _path(raw.get("cgroup_v2"), "cgroup_v2")
-    v1 = _path(raw.get("cgroup_v1_freezer"), "cgroup_v1_freezer")
-    ids = raw.get("cgroup_ids", [None, None])
-    if not isinstance(ids, list) or len(ids) != 2:
-        raise BadRecord("cgroup_ids must be a list of two inode numbers (or nulls)")
-    cgroup_ids = tuple(None if i is None else _int(i, "a cgroup id", low=1) for i in ids)
-    pids_raw = raw.get("pids", [])
-    if not isinstance(pids_raw, list):
-        raise BadRecord("pids must be a list of [pid, start time] pairs")
-    pids: list[int] = []
-    starts: list[int] = []
-    for item in pids_raw:
-        if not isinstance(item, list) or len(item) != 2:
-            raise BadRecord("pids must be a list of [pid, start time] pairs")
-        pids.append(_int(item[0], "a pid", low=1))
-        starts.append(_int(item[1], "a start time"))
-    swapped_raw = raw.get("swapped")
-    swapped: dict[str, int] | None = None
-    if swapped_raw is not None:
-        if not isinstance(swapped_raw, dict):
-            raise BadRecord("swapped must be an object of bytes per GPU")
-        swapped = {str(g): _int(n, "swapped bytes") for g, n in swapped_raw.items()}
-    swap_method = raw.get("swap_method")
-    if swap_method not in (None, *_SWAP_METHODS):
-        raise BadRecord(f"unknown swap method {swap_method!r}")
-    if method == "freeze" and all(p is None or p.rstrip("/") == "" for p in (v2, v1)):
-        raise BadRecord(
-            "a frozen tenant's record names no cgroup but the root, which kiwid never gates"
-        )
-    return GatedRecord(
-        tenant=key,
-        method=method,
-        cgroup_v2=v2,
-        cgroup_v1_freezer=v1,
-        pids=tuple(pids),
-        swapped=swapped,
-        swap_method=swap_method,
-        cgroup_ids=(cgroup_ids[0], cgroup_ids[1]),
-        starts=tuple(starts),
-    )
-
-
-def _record_json(rec: GatedRecord) -> dict[str, Any]:
-    return {
-        "method": rec.method,
-        "cgroup_v2": rec.cgroup_v2,
-        "cgroup_v1_freezer": rec.cgroup_v1_freezer,
-        "cgroup_ids": list(rec.cgroup_ids),
-        "pids": [[pid, start or 0] for pid, start in rec.pid_starts().items()],
-        "swapped": rec.swapped,
-        "swap_method": rec.swap_method,
-    }
 
 
 class StateFile:
@@ -182,6 +68,8 @@ class StateFile:
         self._lock_fd: int | None = None
         self.skipped: dict[str, str] = {}
         """Records of the last :meth:`load` that were not usable, and why."""
+        self._unusable: dict[str, tuple[Any, str]] = {}
+        """Records no kiwid can act on (the raw entry, and why), kept in the file."""
         self.writes = 0
         """How many times the file was written (each write is an fsync)."""
 
@@ -274,20 +162,32 @@ class StateFile:
             raise StateError(f"{self.path}: not a Kiwi state file (not JSON: {err})") from err
         if not isinstance(doc, dict) or not isinstance(doc.get("gated"), dict):
             raise StateError(f"{self.path}: not a Kiwi state file (no 'gated' table)")
-        if doc.get("version") != STATE_VERSION:
+        if doc.get("version") not in READS:
             raise StateError(
                 f"{self.path}: state version {doc.get('version')!r}, this kiwid reads "
-                f"version {STATE_VERSION}; nothing was touched. Thaw what it lists by hand "
-                "(echo 0 > /sys/fs/cgroup/<path>/cgroup.freeze) and remove the file"
+                f"versions {' and '.join(map(str, READS))}; nothing was touched. Thaw what it "
+                "lists by hand (echo 0 > /sys/fs/cgroup/<path>/cgroup.freeze) and remove the file"
             )
         records: dict[str, GatedRecord] = {}
+        unusable: dict[str, tuple[Any, str]] = {}
+        kept = doc.get("unusable")
+        for key, item in (kept if isinstance(kept, dict) else {}).items():
+            if isinstance(item, dict) and isinstance(item.get("why"), str):
+                unusable[str(key)] = (item.get("record"), item["why"])
         for key, rec in doc["gated"].items():
             try:
                 records[key] = parse_record(key, rec)
             except BadRecord as err:
                 self.skipped[str(key)] = str(err)
+                unusable[str(key)] = (rec, str(err))
+        self._unusable = unusable
         self._records = MappingProxyType(dict(records))
         return records
+
+    @property
+    def unusable(self) -> dict[str, str]:
+        """Records kept in the file that no kiwid can act on, and why (the operator's)."""
+        return {key: why for key, (_, why) in self._unusable.items()}
 
     # ------------------------------------------------------------ writing
 
@@ -323,7 +223,10 @@ class StateFile:
         return aside
 
     def clear(self) -> None:
-        """Forget everything and remove the file."""
+        """Forget everything and remove the file (unless it keeps unusable records)."""
+        if self._unusable:
+            self.replace_all({})
+            return
         with self._write_lock:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
@@ -338,7 +241,13 @@ class StateFile:
         self.ensure_dir()
         doc = {
             "version": STATE_VERSION,
-            "gated": {key: _record_json(rec) for key, rec in sorted(records.items())},
+            "gated": {key: record_json(rec) for key, rec in sorted(records.items())},
+            # Kept, never acted on, until the operator removes them: only they can tell
+            # what such a record meant (recover names each one).
+            "unusable": {
+                key: {"record": raw, "why": why}
+                for key, (raw, why) in sorted(self._unusable.items())
+            },
         }
         write_atomic(self.path, json.dumps(doc, indent=1).encode())
         self._records = MappingProxyType(records)  # one reference swap: atomic

@@ -212,12 +212,13 @@ class TenantTracker:
                 gpus[tid] = set(reg.gpus)
                 pids[tid] = set(reg.pids)
         for tid, h in keep.items():  # swapped out: invisible, not gone
-            if tid not in gpus:
-                alive = {p for p in h.live_pids(self._alive) if self._lookup(p) is not None}
-                if alive:
-                    gpus[tid] = set(h.gpus)
-                    pids[tid] = alive
-                    seen_pids |= alive
+            # Also beside processes of it that the GPU lists (a process it started
+            # since): one tenant, all of its processes, so that all are gated.
+            alive = {p for p in h.live_pids(self._alive) if self._lookup(p) is not None}
+            if alive:
+                gpus.setdefault(tid, set()).update(h.gpus)
+                pids.setdefault(tid, set()).update(alive)
+                seen_pids |= alive
         lost = lost_set
         for tid, info in self.tenants.items():  # keep tenants of unreadable GPUs
             kept = info.gpus & lost

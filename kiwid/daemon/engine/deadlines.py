@@ -1,0 +1,35 @@
+"""How long each job may run before its tenant is stuck (``gpu.driver_timeout``).
+
+A gate or an ungate is tried again for ``driver_timeout`` (a freeze that did not
+take, a lock the driver refused), so its deadline is that window plus one more
+attempt. A checkpoint or a restore gets ``driver_timeout`` plus twice its size at
+the slowest rate the swapper expects: a 47 GiB checkpoint takes half a minute on
+an H200, and is no fault. A retry or a release may restore the whole tenant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kiwid.daemon.engine.executor import Job, Kind
+from kiwid.daemon.gating.swap import Swapper
+
+_RESTORING = (Kind.SWAP_IN, Kind.RETRY, Kind.RELEASE)
+
+
+def deadlines(
+    driver_s: Callable[[], float],
+    gate_s: Callable[[], float],
+    swapper: Swapper | None,
+) -> Callable[[Job, int], float]:
+    """A job's deadline in seconds, given the bytes it moves, by the settings in force."""
+
+    def deadline_s(job: Job, nbytes: int) -> float:
+        driver = driver_s()
+        if job.kind is Kind.SWAP_OUT and swapper is not None:
+            return driver + 2 * swapper.expected_s(nbytes, "out")
+        if job.kind in _RESTORING and swapper is not None:
+            return 2 * driver + 2 * swapper.expected_s(nbytes, "in")
+        return 2 * driver + gate_s()
+
+    return deadline_s

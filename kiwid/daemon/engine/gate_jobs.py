@@ -1,0 +1,120 @@
+"""Jobs that gate: gate, ungate, follow a gated tenant's new processes, fence, forget.
+
+Each returns what the scheduler must hear: a gate that took is ``Gated``; a gate
+or ungate that fails is tried again for ``gpu.driver_timeout`` and then makes the
+tenant stuck (``TenantFaulted``), never a silent success. The state file is
+written ahead of every change it records: before a tenant is gated, before a new
+process of it is locked, before a fence.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from kiwid.core.events import Event, Gated, TenantFaulted
+from kiwid.daemon.engine.executor import Job
+from kiwid.daemon.engine.tools import Tools, who
+from kiwid.daemon.gating.gates import CudaLockGate, GateError
+
+log = logging.getLogger("kiwid.engine")
+
+
+def gate(tools: Tools, job: Job) -> list[Event]:
+    """Gate a tenant: record it, then freeze or lock it (tried again on failure)."""
+    info = job.info
+    if info is None:  # gone from the tracker already: nothing of it can run
+        return [TenantFaulted(job.tenant, "gate", "unknown to the tenant table", contained=False)]
+
+    def attempt() -> None:
+        record = tools.gate.prepare(info)
+        tools.state.put(record)  # write-ahead: recorded before it is frozen
+        try:
+            tools.gate.gate(record)
+        except GateError:
+            tools.state.drop(record.tenant)
+            raise
+
+    try:
+        tools.retrying(attempt, f"the gate of {who(info, job.tenant)}")
+    except GateError as err:
+        log.error("Could not gate %s: %s", who(info, job.tenant), err)
+        fault = TenantFaulted(job.tenant, "gate", str(err), pid=err.pid, answer=err.answer)
+        return [tools.fence(info, fault)]
+    log.debug("Gated %s", who(info, job.tenant))
+    return [Gated(job.tenant)]
+
+
+def ungate(tools: Tools, job: Job) -> list[Event]:
+    """Let a recorded tenant go (tried again on failure; stuck, still gated, if it cannot)."""
+    tenant = job.tenant
+    record = tools.state.records.get(tenant)
+    if record is None:
+        return []
+    if record.swapped:  # never: the scheduler lets go only what is on the card
+        reason = "not let go: the state file says its memory is in host RAM"
+        log.error("%s: %s", tenant, reason)
+        return [TenantFaulted(tenant, "ungate", reason)]
+
+    try:
+        tools.retrying(lambda: tools.gate.ungate(record), f"the ungate of {tenant}")
+    except GateError as err:
+        log.error("Could not ungate %s: %s (kept in %s)", tenant, err, tools.state.path)
+        return [TenantFaulted(tenant, "ungate", str(err), pid=err.pid, answer=err.answer)]
+    try:
+        tools.state.drop(tenant)
+    except OSError as err:  # it runs; its record only makes recovery try again, harmlessly
+        log.warning("Ungated %s, but its record stays in %s: %s", tenant, tools.state.path, err)
+    log.debug("Ungated %s", tenant)
+    return []
+
+
+def follow(tools: Tools, job: Job) -> list[Event]:
+    """Lock the processes a gated tenant started since (recorded ahead of the lock)."""
+    gate_ = tools.gate
+    record = tools.state.records.get(job.tenant)
+    known = record.pids if record else ()
+    new = {pid: start for pid, start in job.pids.items() if pid not in known}
+    if record is None or not new or not isinstance(gate_, CudaLockGate):
+        return []
+    grown = record.with_pids(new)
+    try:
+        tools.state.put(grown)
+        gate_.follow(grown, tuple(sorted(new)))
+    except (GateError, OSError) as err:
+        pid = err.pid if isinstance(err, GateError) else None
+        answer = err.answer if isinstance(err, GateError) else None
+        reason = f"its new process could not be locked: {err}"
+        log.error("%s: %s", who(job.info, job.tenant), reason)
+        fault = TenantFaulted(job.tenant, "gate", reason, pid=pid, answer=answer)
+        return [tools.fence(job.info, fault)]
+    log.info("Locked %s's new process %s", who(job.info, job.tenant), ", ".join(map(str, new)))
+    return []
+
+
+def fence(tools: Tools, job: Job) -> list[Event]:
+    """Fence a tenant whose gate or lock never answered: the fault, told as it now stands."""
+    fault = job.fault or TenantFaulted(job.tenant, "gate", "its lock cannot be trusted")
+    if tools.state.records.get(job.tenant) is None and job.info is not None:
+        try:  # never recorded (its gate hung before the record): record it now
+            tools.state.put(replace(tools.gate.prepare(job.info), fenced=False))
+        except (GateError, OSError) as err:
+            log.error("Cannot record %s to fence it: %s", job.tenant, err)
+    return [tools.fence(job.info, fault)]
+
+
+def forget(tools: Tools, job: Job) -> list[Event]:
+    """A tenant left: undo what may remain of its gate (its cgroup may be gone)."""
+    tenant = job.tenant
+    record = tools.state.records.get(tenant)
+    if record is not None:
+        if record.swapped:  # its processes are gone, and its host memory with them
+            tools.state.drop(tenant)
+        else:
+            try:
+                tools.gate.ungate(record)
+                tools.state.drop(tenant)
+            except GateError as err:
+                log.error("Could not ungate %s as it left: %s", tenant, err)
+    tools.gate.forget(tenant)
+    return []

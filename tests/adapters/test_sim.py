@@ -235,3 +235,40 @@ def test_lost_gpu_raises_and_leaves_the_list(sim: SimBackend) -> None:
     assert sim.processes(0) == []
     with pytest.raises(ValueError, match="no simulated GPU"):
         sim.lose(5)
+
+
+def test_attachments_leave_descriptors_for_everything_else(spawn: Spawn) -> None:
+    # Two descriptors per attachment once took every one kiwid had (~500 tenants at
+    # Debian's stock 1024), and it could accept no kiwictl connection any more. In
+    # a child whose soft limit is 256, 200 attachments (one sleeper on 200 GPUs).
+    sleeper = spawn(SLEEP)
+    code = (
+        "import os, resource, sys\n"
+        "from kiwid.adapters.sim.backend import GIB, SimBackend\n"
+        "_soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "pid, count = int(sys.argv[1]), 200\n"
+        "sim = SimBackend(devices=count, memory_bytes=4 * GIB)\n"
+        "for index in range(count):\n"
+        "    sim.attach(pid, index, GIB)\n"
+        "listed = sum(pid in {p.pid for p in sim.processes(i)} for i in range(count))\n"
+        "free = []\n"
+        "try:\n"
+        "    while len(free) < 256:\n"
+        "        free.append(os.open('/dev/null', os.O_RDONLY))\n"
+        "except OSError:\n"
+        "    pass\n"
+        "sim.close()\n"
+        "print(listed, len(free))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(sleeper.pid)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    listed, free = map(int, done.stdout.split())
+    assert listed == 200, "every attachment is followed, held descriptor or not"
+    assert free >= 100, f"only {free} of 256 descriptors left for anything else"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,10 @@ from kiwid.adapters.watch import ConfigWatcher, Debouncer, WatchError
 DEBOUNCE_S = 0.1
 SETTLE_S = 0.4  # bounded wait that shows no (further) callback arrives
 TIMEOUT_S = 2.0
+STOPS = 200  # without the fix, 3 to 6 in 100 of these stops logged the error (2-core VM)
+# What watchdog 7.1's inotify emitter logs when it loses the race with its stop.
+WATCHDOG_LOGGER = "watchdog.observers.inotify"
+STOP_RACE = "InotifyEmitter.queue_events() called when the thread is inactive"
 
 
 class Calls:
@@ -176,28 +181,34 @@ def test_touch_triggers(config: Path, calls: Calls) -> None:
     assert calls.wait_for(1)
 
 
-def test_a_stop_while_files_change_beside_the_config_logs_no_error(
+def test_clean_stops_log_no_error_while_the_directory_is_busy(
     tmp_path: Path, config: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # kiwid's log file, or anything else in the config's directory, changes as it stops.
-    busy = tmp_path / "kiwid.log"
-    for _ in range(20):
-        watcher = ConfigWatcher(config, lambda: None, debounce_s=DEBOUNCE_S)
-        watcher.start()
-        done = threading.Event()
+    # Events arriving while the watcher stops (kiwid's own log file beside the
+    # config, a neighbour in /etc) are what let watchdog's emitter race its stop
+    # and log an ERROR; a neighbour rewritten without pause makes that race likely.
+    caplog.set_level(logging.WARNING)
+    churn = subprocess.Popen(
+        ["sh", "-c", 'while :; do echo line > "$1"; done', "sh", str(tmp_path / "neighbour.log")]
+    )
+    try:
+        for _ in range(STOPS):
+            watcher = ConfigWatcher(config, Calls(), debounce_s=DEBOUNCE_S)
+            watcher.start()
+            watcher.stop()
+    finally:
+        churn.kill()
+        churn.wait()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], f"{len(errors)} of {STOPS} clean stops logged an error: {errors[0]}"
 
-        def scribble(done: threading.Event = done) -> None:
-            with busy.open("a") as out:
-                while not done.is_set():
-                    out.write("a log line\n")
-                    out.flush()
 
-        writer = threading.Thread(target=scribble)
-        writer.start()
-        try:
-            with caplog.at_level(logging.DEBUG):
-                watcher.stop()
-        finally:
-            done.set()
-            writer.join(TIMEOUT_S)
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+def test_watchdogs_message_still_reaches_the_log_outside_a_stop(
+    config: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    watcher = ConfigWatcher(config, Calls())
+    watcher.start()
+    watcher.stop()
+    # Only a stop silences it, and only from the emitters being stopped.
+    logging.getLogger(WATCHDOG_LOGGER).error(STOP_RACE)
+    assert [r.getMessage() for r in caplog.records] == [STOP_RACE]

@@ -1,7 +1,9 @@
 """Real containers with kiwi-hook: runc with OCI hooks, podman with Kiwi's CDI spec.
 
 Needs root and Debian's ``runc``, ``busybox-static`` and ``podman`` (scripts/bootstrap
---dev installs them); each test says what it misses and skips without it. The
+--dev installs them), and a ``keyctl`` system call that no seccomp filter forbids
+(runc joins a session keyring in every container); each test says what it misses
+and skips without it. The
 containers run a busybox rootfs, no image and no registry. Every container, cgroup,
 CDI spec file and socket a test makes is removed afterwards, whatever happened. CDI
 specs go only into the test's own directories (podman sees them through a private
@@ -26,6 +28,7 @@ import pytest
 
 from kiwid.adapters import cdi
 from kiwid.adapters.gpu import DeviceInfo
+from tests import capabilities
 from tests.daemon.conftest import (
     V1_FREEZER,
     V2_ROOT,
@@ -56,6 +59,16 @@ def need(binary: str, package: str) -> str:
 def root_only() -> None:
     if os.geteuid() != 0:
         pytest.skip("real containers need root")
+
+
+@pytest.fixture
+def runc(root_only: None) -> str:
+    """runc, where it can start a container (it joins a session keyring in each)."""
+    path = need("runc", "runc")
+    problem = capabilities.keyring_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    return path
 
 
 @pytest.fixture
@@ -175,9 +188,8 @@ def runc_pid(runc_cmd: list[str], cid: str) -> int:
 
 
 def test_a_runc_container_is_a_tenant_from_create_runtime_to_poststop(
-    kiwid: Kiwid, workdir: Path, rootfs: Path, hook_path: str, test_cgroup: str
+    runc: str, kiwid: Kiwid, workdir: Path, rootfs: Path, hook_path: str, test_cgroup: str
 ) -> None:
-    runc = need("runc", "runc")
     annotations = {
         "io.kubernetes.cri.container-name": "trainer",
         "io.kubernetes.cri.sandbox-name": "train-7f9",
@@ -207,13 +219,13 @@ def test_a_runc_container_is_a_tenant_from_create_runtime_to_poststop(
 
 
 def test_a_runc_container_without_names_gets_them_from_the_kubelet_by_its_device_ids(
+    runc: str,
     start_kiwid: Callable[..., Kiwid],
     workdir: Path,
     rootfs: Path,
     hook_path: str,
     test_cgroup: str,
 ) -> None:
-    runc = need("runc", "runc")
     slot = f"{GPU0.uuid}::2"
     kubelet = FakePodResources(workdir / "pod-resources.sock")
     kubelet.pods = [pod("ml", "train-7f9", {"train": {"kiwi.io/gpu": [slot]}})]
@@ -264,10 +276,9 @@ def _with_own_cdi_dirs(spec_dir: Path, empty: Path) -> list[str]:
 
 
 def test_podman_applies_kiwis_cdi_spec_and_kiwid_sees_the_container_by_name(
-    kiwid: Kiwid, workdir: Path, rootfs: Path, hook_path: str
+    runc: str, kiwid: Kiwid, workdir: Path, rootfs: Path, hook_path: str
 ) -> None:
     podman = need("podman", "podman")
-    runc = need("runc", "runc")
     if not V1_FREEZER.exists() and "pids" not in (V2_ROOT / "cgroup.controllers").read_text():
         # podman sets a pids limit: on pure cgroup2 it needs that controller, which a
         # container on a machine whose controllers are bound to v1 does not get.
@@ -351,6 +362,7 @@ def frozen(cgroup: str) -> bool:
 
 
 def test_hold_a_newcomer_on_a_busy_gpu_starts_frozen_without_blocking_the_runtime(
+    runc: str,
     kiwid: Kiwid,
     workdir: Path,
     rootfs: Path,
@@ -358,7 +370,6 @@ def test_hold_a_newcomer_on_a_busy_gpu_starts_frozen_without_blocking_the_runtim
     test_cgroup: str,
     tenants: Callable[..., Tenant],
 ) -> None:
-    runc = need("runc", "runc")
     busy = tenants("busy")
     kiwid.attach(busy.pid)
     wait_for(lambda: kiwid.tenant_states().get(busy.key) == "holder", 5, "busy to hold the GPU")
@@ -401,13 +412,13 @@ max_priority = 5
 
 
 def test_a_pods_weight_and_priority_annotations_are_capped_by_its_rule(
+    runc: str,
     start_kiwid: Callable[..., Kiwid],
     workdir: Path,
     rootfs: Path,
     hook_path: str,
     test_cgroup: str,
 ) -> None:
-    runc = need("runc", "runc")
     (workdir / "kiwi.toml").write_text(config_text(workdir, poll=0.05) + POLICY_RULES)
     k = start_kiwid()
     runc_cmd = [runc, "--root", str(workdir / "runc-state")]

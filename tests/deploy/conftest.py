@@ -1,7 +1,8 @@
 """Fixtures for the deployment tests: a wheelhouse, a fleet of real systemd hosts, Ansible.
 
 The hosts need root, systemd-nspawn and debootstrap (``scripts/test-hosts-deps``
-installs them). Without them the tests are skipped on a developer's machine and
+installs them), and a machine that lets root create a network bridge (CAP_NET_ADMIN,
+which a container may lack). Without them the tests are skipped on a developer's machine and
 fail in CI (``CI`` set), so that a CI run cannot pass by skipping them.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import capabilities
 from tests.deploy import hosts
 from tests.deploy.playbook import Ansible, build_wheels, project_version, source_copy
 
@@ -27,7 +29,7 @@ def _unavailable() -> str | None:
         return f"missing {', '.join(missing)}: run scripts/test-hosts-deps (as root)"
     if not (Path(sys.executable).parent / "ansible-playbook").exists():
         return "ansible-playbook is not in the virtualenv: scripts/bootstrap --dev installs it"
-    return None
+    return capabilities.bridge_problem()
 
 
 def require_hosts() -> None:

@@ -4,7 +4,10 @@ One fleet of two booted hosts (one pure cgroup2, one hybrid where this machine
 has the hybrid layout) is shared by the tests of this module, which run in file
 order, each leaving the fleet deployed and running for the next:
 
-1. site.yml: the first run changes things, the second nothing; kiwid reached READY.
+1. site.yml: the first run changes things, the second nothing; kiwid reached READY;
+   ``kiwictl`` and ``kiwid`` are on the default PATH of root and of other users
+   (links the role makes, and removes again with kiwid_commands_on_path false,
+   never replacing or removing a file of someone else's).
 2. A TQ change in the inventory is a reload (same MainPID), logged ``New TQ = ...``;
    --check --diff shows it first and changes nothing; tq.yml -e does the same.
    Swapping turned on through the role (kiwid_memory_swap, with kiwid_extra_config
@@ -21,7 +24,8 @@ order, each leaving the fleet deployed and running for the next:
    which waits for a kubelet without crashing; a second run changes nothing;
    ``kiwid_kubernetes: false`` stops and removes it again.
 6. upgrade.yml restarts one host at a time into a new version (the device plugin
-   too); uninstall.yml thaws everything and removes what the role installed.
+   too); uninstall.yml thaws everything and removes what the role installed (its
+   links on the PATH too, and nothing else by their names).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,8 @@ from tests.deploy.playbook import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 KIWICTL = "/opt/kiwi/bin/kiwictl"
+LINKS = {name: f"/usr/local/bin/{name}" for name in ("kiwictl", "kiwid")}
+FOREIGN = "#!/bin/sh\n"  # a program of someone else's, which the role must leave be
 PLUGIN = "kiwi-device-plugin"
 KIWI_PYTHON = "/opt/kiwi/bin/python"
 SCRAPE = (
@@ -125,6 +132,32 @@ def wait_running(host: Host, other_than: str | None = None, timeout: float = 40)
 
 def wait_tq(host: Host, want: float, timeout: float = 20) -> None:
     wait_for(lambda: tq(host) == (want, want), timeout, f"TQ {want} on {host.name}")
+
+
+def login(host: Host, script: str, user: str = "root") -> subprocess.CompletedProcess[str]:
+    """``script`` in a login shell with an empty environment, as ``user``.
+
+    The PATH is then the host's default, which its own /etc/profile sets (Debian's
+    differs for root and for other users): no PATH of this test's making.
+    """
+    argv = ["env", "-i", "/bin/sh", "-lc", script]
+    if user != "root":
+        argv = ["setpriv", f"--reuid={user}", "--regid=nogroup", "--clear-groups", *argv]
+    return host.run(*argv, check=False)
+
+
+def on_path(host: Host) -> dict[str, str]:
+    """Where root's login shell finds kiwictl and kiwid (absent: not on the PATH)."""
+    found = {}
+    for name in LINKS:
+        where = login(host, f"command -v {name}").stdout.strip()
+        if where:
+            found[name] = where
+    return found
+
+
+def write_foreign(host: Host, path: str) -> None:
+    host.run("sh", "-c", 'cat > "$1" && chmod 755 "$1"', "sh", path, input=FOREIGN)
 
 
 def assert_ok(run: Run) -> None:
@@ -210,7 +243,7 @@ def deployed(ansible: Ansible, fleet: Fleet) -> tuple[Run, Run]:
     for host in fleet.hosts:
         assert dry.changed(host.name) > 0, dry.explain()
         # Check mode installed nothing.
-        assert host.sh("ls /opt /etc /etc/systemd/system | grep kiwi; true") == ""
+        assert host.sh("ls /opt /etc /etc/systemd/system /usr/local/bin | grep kiwi; true") == ""
         assert host.run("getent", "group", "kiwi", check=False).returncode == 2
     first = ansible.play("site.yml")
     assert_ok(first)
@@ -252,6 +285,53 @@ def test_check_mode_on_a_converged_fleet_changes_nothing(
     assert_ok(run)
     for host in fleet.hosts:
         assert run.changed(host.name) == 0, run.explain()
+
+
+def test_kiwictl_and_kiwid_are_on_the_default_path(
+    deployed: tuple[Run, Run], ansible: Ansible, fleet: Fleet
+) -> None:
+    for host in fleet.hosts:
+        for user in ("root", "nobody"):
+            shell = login(host, 'echo "$PATH"; command -v kiwictl; kiwictl status', user)
+            assert shell.returncode == 0, shell
+            path, where, *status = shell.stdout.splitlines()
+            assert where == LINKS["kiwictl"], f"{user}'s PATH {path}: {shell.stdout}"
+            assert status[0].startswith("kiwid "), shell.stdout  # kiwid's own answer
+            assert any(line.startswith("GPU 0: ") for line in status), shell.stdout
+        check = login(host, "kiwid check-config /etc/kiwi.toml")
+        assert check.returncode == 0, check
+        targets = host.run("readlink", *LINKS.values()).stdout.split()
+        assert targets == ["/opt/kiwi/bin/kiwictl", "/opt/kiwi/bin/kiwid"]
+
+    # Turned off: the role's links go, and a file of someone else's by that name
+    # stays (on the first host, kiwid is one).
+    first, other = fleet.hosts[0], fleet.hosts[-1]
+    first.run("rm", LINKS["kiwid"])
+    write_foreign(first, LINKS["kiwid"])
+    install = ("site.yml", "--tags", "kiwid_install")
+    off = ansible.play(*install, extra={"kiwid_commands_on_path": False})
+    assert_ok(off)
+    assert on_path(first) == {"kiwid": LINKS["kiwid"]}, "only the role's link is gone"
+    assert first.run("cat", LINKS["kiwid"]).stdout == FOREIGN
+    if other is not first:
+        assert on_path(other) == {}
+    assert unit(first)["ActiveState"] == "active", "kiwid itself runs on"
+
+    # Turned on again: a file of someone else's in the way fails its host (the other
+    # goes on), and stays as it was.
+    refused = ansible.play(*install, extra={"kiwid_max_fail_percentage": 100})
+    assert refused.returncode != 0 and refused.recap[first.name]["failed"] == 1, refused.explain()
+    assert f"{LINKS['kiwid']} exists and is not the role's link" in refused.output
+    assert first.run("cat", LINKS["kiwid"]).stdout == FOREIGN
+    if other is not first:
+        assert refused.recap[other.name]["failed"] == 0, refused.explain()
+        assert on_path(other) == LINKS
+    first.run("rm", LINKS["kiwid"])
+    again = ansible.play(*install)
+    assert_ok(again)
+    assert all(on_path(h) == LINKS for h in fleet.hosts)
+    if other is not first:
+        assert again.changed(other.name) == 0, again.explain()
 
 
 # ---------------------------------------------------------------- 2. TQ
@@ -696,11 +776,19 @@ def test_uninstall_thaws_tenants_and_removes_everything(
             left = host.sh(
                 "for p in /opt/kiwi /etc/kiwi.toml /run/kiwi /var/cache/kiwi"
                 " /etc/systemd/system/kiwid.service /etc/systemd/system/kiwi-device-plugin.service"
-                " /var/run/cdi/kiwi.io-gpu.json; do [ -e $p ] && echo $p; done; true"
+                f" /var/run/cdi/kiwi.io-gpu.json {' '.join(LINKS.values())};"
+                " do [ -e $p ] || [ -L $p ] && echo $p; done; true"
             )
             assert left == "", left
+            assert on_path(host) == {}, "kiwictl and kiwid are off the PATH"
             assert host.run("getent", "group", "kiwi", check=False).returncode == 2
+    # A kiwictl of someone else's, where the role's link was, is left alone.
+    for host in fleet.hosts:
+        write_foreign(host, LINKS["kiwictl"])
     again = ansible.play("uninstall.yml")
     assert_ok(again)
     assert all(again.changed(h.name) == 0 for h in fleet.hosts), again.explain()
+    for host in fleet.hosts:
+        assert host.run("cat", LINKS["kiwictl"]).stdout == FOREIGN
+        host.run("rm", LINKS["kiwictl"])
     print(json.dumps({h.name: h.layout for h in fleet.hosts}))

@@ -3,11 +3,48 @@
 from __future__ import annotations
 
 import os
+import resource
+import threading
 from dataclasses import dataclass, field
 
 from kiwid.linux.proc import read_stat
 
 __all__ = ["Attachment"]
+
+
+class _Descriptors:
+    """The descriptors all attachments hold, within half of the soft open-file limit.
+
+    Two per attachment; the rest of the limit is for the control socket's clients,
+    /proc reads and the state file. At Debian's stock limit of 1024 attachments took
+    every descriptor by ~500 tenants, and kiwid could accept no kiwictl connection
+    any more. Beyond the budget, an attachment reads its process by path. One count
+    for the whole process, as the limit is.
+    """
+
+    SHARE = 0.5
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held = 0
+
+    def reserve(self, count: int) -> bool:
+        """Reserve ``count`` descriptors within the budget; False when it is spent."""
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        budget = float("inf") if soft == resource.RLIM_INFINITY else soft * self.SHARE
+        with self._lock:
+            if self._held + count > budget:
+                return False
+            self._held += count
+            return True
+
+    def release(self, count: int) -> None:
+        """Give back descriptors :meth:`reserve` reserved."""
+        with self._lock:
+            self._held -= count
+
+
+_DESCRIPTORS = _Descriptors()
 
 
 @dataclass
@@ -16,7 +53,8 @@ class Attachment:
 
     ``/proc/PID/schedstat`` and a pidfd are held open: a reaped process (and so a
     reused PID) reads ESRCH, the pidfd is readable once it exits (zombies too),
-    and schedstat is the cheap CPU-time reading of each poll.
+    and schedstat is the cheap CPU-time reading of each poll. Only within a budget
+    of descriptors (see ``_Descriptors``): beyond it, ``/proc/PID/stat`` by path.
     """
 
     used_memory_bytes: int
@@ -33,6 +71,8 @@ class Attachment:
     swapped: bool = False
     """Its memory is "in host RAM": not listed, not on the card."""
     first_cpu: int = 0
+    reserved: bool = False
+    """It holds a reservation of two descriptors (see ``_Descriptors``)."""
 
     @classmethod
     def open(cls, pid: int, used_memory_bytes: int, activity: str) -> Attachment:
@@ -45,9 +85,11 @@ class Attachment:
         if stat is None or stat.zombie:
             raise ValueError(f"no running process with pid {pid!r}")
         entry = cls(used_memory_bytes, activity, stat.start_ticks)
+        entry.reserved = _DESCRIPTORS.reserve(2)
         try:
-            entry.fd = os.pidfd_open(pid)
-            entry.sched_fd = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+            if entry.reserved:
+                entry.fd = os.pidfd_open(pid)
+                entry.sched_fd = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:  # out of descriptors, or an old kernel: read by path instead
             entry.close()
         first = entry.stat(pid)
@@ -79,3 +121,6 @@ class Attachment:
             if fd is not None:
                 os.close(fd)
         self.fd = self.sched_fd = None
+        if self.reserved:
+            self.reserved = False
+            _DESCRIPTORS.release(2)

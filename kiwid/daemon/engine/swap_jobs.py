@@ -138,9 +138,7 @@ def _faulted(
 
 def _log_moved(direction: str, name: str, moved: int, seconds: float) -> None:
     rate = moved / seconds / 1e9 if seconds > 0 else 0.0
-    log.info(
-        "Swapped %s %s: %d bytes in %.2f s (%.2f GB/s)", direction, name, moved, seconds, rate
-    )
+    log.info("Swapped %s %s: %d bytes in %.2f s (%.2f GB/s)", direction, name, moved, seconds, rate)
 
 
 def _too_little_free(tools: Tools, coming: dict[str, int]) -> str | None:

@@ -27,6 +27,7 @@ from kiwid.core.events import (
     ActivitySeen,
     Event,
     Released,
+    SwapFinished,
     SwapOut,
     TenantDetached,
     TenantFaulted,
@@ -92,6 +93,7 @@ class Engine:
         self._idle: list[Callable[[], None]] = []
         self.deadline_s: Callable[[Job, int], float] = deadline_s or (lambda job, nbytes: math.inf)
         self._due: dict[Job, float] = {}
+        self._orphaned: set[Job] = set()  # running jobs of tenants that left since
         self.abandoned: dict[Job, float] = {}
         """Jobs that ran past their deadline and whose thread has not returned (a driver
         call that hangs), with when they started: their tenant is stuck, and a retry
@@ -116,6 +118,7 @@ class Engine:
                 who = _who(self.tracker.tenants.get(tenant), tenant)
                 log.warning("Swap out of %s not done: %s", who, notice)
             if detached:
+                self._leave(event.tenant)  # type: ignore[union-attr]
                 self._submit(None, event.tenant)  # type: ignore[union-attr]
             if isinstance(event, TenantFaulted | Released):
                 self._stuck(event.tenant)
@@ -123,12 +126,30 @@ class Engine:
                 self._submit(action, action.tenant)
         self._kick()
 
+    def _leave(self, tenant: str) -> None:
+        """A tenant left: its queued jobs are moot, its running ones speak for nobody.
+
+        A tenant may come back under the same key (a container restarted in the same
+        cgroup); what a job of the one that left says must not be taken for it.
+        """
+        for job in self.executor.drop_queued_of(tenant, keep=()):
+            log.debug("Not carrying out the %s of %s: it left", job.kind.value, tenant)
+        running = {job for job in self._started if job.tenant == tenant}
+        self._orphaned |= running | {job for job in self.abandoned if job.tenant == tenant}
+        for job in running:  # no deadline: a call on processes that are gone hurts nobody
+            self._due.pop(job, None)
+
     def _stuck(self, tenant: str) -> None:
         """What was queued for a tenant that just got stuck is moot (its undo is not)."""
         if self.scheduler.tenant_state(tenant) is not TenantState.STUCK:
             return
+        undone: list[Event] = []
         for job in self.executor.drop_queued_of(tenant):
             log.info("Not carrying out the %s of %s: it is stuck", job.kind.value, tenant)
+            if job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN):  # its memory did not move
+                direction = "out" if job.kind is Kind.SWAP_OUT else "in"
+                undone.append(SwapFinished(tenant, direction, ok=False, reason="it is stuck"))
+        self.apply(undone)
 
     def tick(self) -> None:
         """Let the scheduler act on deadlines that have passed."""
@@ -191,11 +212,36 @@ class Engine:
             )
             events = late(job, now - started)
             self.apply(events)
-            if job.kind in (Kind.GATE, Kind.FOLLOW) and events:  # it may run: fence it
+            if job.kind in _MAY_RUN and events:  # it may run: fence it
                 info = job.info or self.tracker.tenants.get(job.tenant)
                 fault = events[0] if isinstance(events[0], TenantFaulted) else None
                 self.executor.job(Kind.FENCE, job.tenant, job.gpus, info=info, fault=fault)
         self._kick()
+
+    def _returned_late(self, job: Job, started: float, events: list[Event]) -> None:
+        """A call that ran past its deadline returned: what it says is old news.
+
+        What it did is not: an ungate (or release) that went through late may have
+        let a tenant run that kiwid holds gated, so it counts as running again.
+        """
+        seconds = self._clock() - started
+        log.warning(
+            "The %s of %s that ran past its deadline returned after %.1f s (%s)",
+            job.kind.value,
+            job.tenant,
+            seconds,
+            ", ".join(type(e).__name__ for e in events) or "nothing to say",
+        )
+        self.generation += 1
+        if job in self._orphaned:  # its tenant left meanwhile
+            self._orphaned.discard(job)
+            return
+        if job.kind in (Kind.UNGATE, Kind.RELEASE) and self.scheduler.gated(job.tenant):
+            reason = (
+                f"its {job.kind.value}, {seconds:.0f} s late, may have let it run: kiwid "
+                "holds it gated again"
+            )
+            self.apply([TenantFaulted(job.tenant, OPERATIONS[job.kind], reason, contained=False)])
 
     def hung(self, tenant: str) -> tuple[Job, float] | None:
         """A job of ``tenant`` past its deadline whose call has not returned, and its start."""
@@ -205,20 +251,15 @@ class Engine:
         """A runner is done with ``job``; ``events`` are what it found out."""
         started_late = self.abandoned.pop(job, None)
         if started_late is not None:
-            log.warning(
-                "The %s of %s that ran past its deadline returned after %.1f s (%s); it "
-                "stays stuck until an operator retries or releases it",
-                job.kind.value,
-                job.tenant,
-                self._clock() - started_late,
-                ", ".join(type(e).__name__ for e in events) or "nothing to say",
-            )
-            self.generation += 1
+            self._returned_late(job, started_late, list(events))
             return
         self._due.pop(job, None)
         self.executor.finish(job)
         started = self._started.pop(job, None)
         now = self._clock()
+        if job in self._orphaned:  # its tenant left while it ran
+            self._orphaned.discard(job)
+            events = [e for e in events if not hasattr(e, "tenant")]
         swap = job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN)
         if swap and started is not None and job.nbytes and now > started:
             self._rates[job.kind.value] = job.nbytes / (now - started)
@@ -331,6 +372,11 @@ def _who(info: TenantInfo | None, tenant: str) -> str:
     return f"{name} ({tenant})" if name != tenant else tenant
 
 
+_MAY_RUN = (Kind.GATE, Kind.FOLLOW, Kind.UNGATE, Kind.RELEASE)
+"""Jobs whose call, hanging, may leave the tenant running (or let it run when it
+returns): it counts as running, and is fenced with the freezer where it can be."""
+
+
 def late(job: Job, seconds: float) -> list[Event]:
     """What the scheduler hears of a job that ran past its deadline."""
     operation = OPERATIONS.get(job.kind)
@@ -340,7 +386,7 @@ def late(job: Job, seconds: float) -> list[Event]:
         f"its {job.kind.value} ran past its deadline ({seconds:.0f} s, gpu.driver_timeout): "
         "the driver call has not returned"
     )
-    if job.kind in (Kind.GATE, Kind.FOLLOW, Kind.FENCE):  # it may run until fenced
+    if job.kind in (*_MAY_RUN, Kind.FENCE):  # it may run (the call may yet return)
         return [TenantFaulted(job.tenant, operation, reason, contained=False)]
     moving = job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN, Kind.RETRY, Kind.RELEASE)
     return [TenantFaulted(job.tenant, operation, reason, Residency.UNKNOWN if moving else None)]

@@ -27,12 +27,18 @@ def gate(tools: Tools, job: Job) -> list[Event]:
         return [TenantFaulted(job.tenant, "gate", "unknown to the tenant table", contained=False)]
 
     def attempt() -> None:
+        before = tools.state.records.get(job.tenant)  # a stuck tenant gated again
         record = tools.gate.prepare(info)
+        if before is not None:
+            record = before.regated(record)
         tools.state.put(record)  # write-ahead: recorded before it is frozen
         try:
             tools.gate.gate(record)
         except GateError:
-            tools.state.drop(record.tenant)
+            if before is None:
+                tools.state.drop(record.tenant)
+            else:
+                tools.state.put(before)
             raise
 
     try:

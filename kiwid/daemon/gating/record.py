@@ -63,6 +63,26 @@ class GatedRecord:
             pid: self.starts[i] if i < len(self.starts) else None for i, pid in enumerate(self.pids)
         }
 
+    def regated(self, fresh: GatedRecord) -> GatedRecord:
+        """This record, gated again as ``fresh`` says, keeping what it knew.
+
+        Where its memory is, its fence and why it is stuck outlive a new gate (a
+        stuck tenant gated again, a late gate): a gate that overwrote them would
+        strand memory in host RAM, or a frozen fence.
+        """
+        kept = self if self.fenced else fresh  # a fence names its own cgroup
+        merged = fresh.with_pids({p: s or 0 for p, s in self.pid_starts().items()})
+        return replace(
+            merged,
+            cgroup_v2=kept.cgroup_v2,
+            cgroup_v1_freezer=kept.cgroup_v1_freezer,
+            cgroup_ids=kept.cgroup_ids,
+            swapped=self.swapped,
+            swap_method=self.swap_method,
+            fenced=self.fenced,
+            fault=self.fault,
+        )
+
     def with_pids(self, pids: dict[int, int]) -> GatedRecord:
         """The record with ``pids`` (pid -> start time) added to its own."""
         merged = {**{p: s or 0 for p, s in self.pid_starts().items()}, **pids}

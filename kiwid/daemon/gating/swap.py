@@ -306,13 +306,15 @@ def restore_record(record: GatedRecord, state_dir: Path) -> None:
     Raises:
         SwapError: it could not be restored; it stays in host RAM, gated.
     """
-    if record.swap_method == "sim" or (not record.swapped and record.method != "cuda-lock"):
-        if not record.swapped:
-            return
-        try:
-            swap_in_persisted(state_dir / "sim.json", record.pids)
-        except SimOutOfMemory as err:
-            raise SwapError(str(err), answer="out of memory", transient=True) from err
+    if record.method != "cuda-lock":
+        # The simulated GPU keeps what is swapped in its file: it says, not only the
+        # record (which does not know of a swap a killed kiwid was in the middle of).
+        persisted = state_dir / "sim.json"
+        if record.swap_method == "sim" or persisted.exists():
+            try:
+                swap_in_persisted(persisted, record.pids)
+            except SimOutOfMemory as err:
+                raise SwapError(str(err), answer="out of memory", transient=True) from err
         return
     try:
         lock = CudaLock()

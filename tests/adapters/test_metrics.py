@@ -460,6 +460,18 @@ def test_a_stuck_tenant_is_counted_by_the_operation_that_failed() -> None:
     assert not [k for k in samples if k[0] == "kiwi_tenant_stuck"]
 
 
+def test_a_wait_without_a_bound_has_no_bound_series() -> None:
+    """kiwid leaves the bound out where none can hold: the alert compares nothing."""
+    status = copy.deepcopy(STATUS)
+    status["gpus"][0]["waiters"][0].update(
+        wait_bound_s=None, wait_bound_reason="pid:789 is stuck and may still run on GPU 0"
+    )
+    _, samples = parse(Exposition().render(status))
+    waiter = labels(gpu="0", tenant="pid:456")
+    assert samples[("kiwi_waiter_wait_seconds", waiter)] == 12.3
+    assert ("kiwi_waiter_wait_bound_seconds", waiter) not in samples
+
+
 def test_exported_families_are_exactly_the_declared_ones() -> None:
     families, _ = parse(Exposition().render(STATUS))
     declared = {name.removesuffix("_total") for name in METRIC_FAMILIES}

@@ -75,6 +75,8 @@ def test_a_retry_of_a_tenant_whose_gate_did_not_take_tries_it_now(tmp_path: Path
         await until(lambda: str(state(key(b))) == "stuck", "b's gate to fail for good")
         sim.attach(c.pid, 0, GiB, "active")
         await until(lambda: gate.did("gate", key(c)), "c to be gated")
+        told = f"1 waiting, 1 stuck ({key(b)})"
+        await until(lambda: any(told in m for m in pinger.messages), "systemd told of it")
         status = await ask("status")
         gpu = status["gpus"][0]
         reason = entry(status, key(b))["stuck_reason"]

@@ -246,6 +246,18 @@ def build() -> dashboard.Dashboard:
         )
         .with_panel(
             series(
+                "Stuck tenants",
+                "none",
+                query(
+                    f"kiwi_tenant_stuck{{{ON}}}",
+                    "{{tenant}}: its {{operation}} failed ({{instance}} GPU {{gpu}})",
+                ),
+                text="Each stuck tenant, by the operation that failed: it stays gated and "
+                "holds nothing until kiwictl retry or release (docs/monitoring.md).",
+            )
+        )
+        .with_panel(
+            series(
                 "Reloads",
                 "none",
                 query(f"increase(kiwi_reloads_total{{{NODE}}}[1h])", "{{result}}, {{instance}}"),

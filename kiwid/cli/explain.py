@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kiwid.adapters.control import request
+from kiwid.cli.fault_text import blocked_sentence, released_sentence, stuck_sentence
 from kiwid.cli.lookup import AmbiguousTenant, TenantNotFound, collect_tenants, find_tenant
 from kiwid.cli.policy_text import policy_sentence, preemption_sentence, rank_label
 from kiwid.cli.words import format_bytes, format_duration, plural, tenant_label
@@ -39,7 +40,7 @@ Json = dict[str, Any]
 _TENANT_KEYS = (
     *("id", "name", "kind", "container_id", "pod", "namespace", "state", "pids"),
     *("policy", "quantum_s", "share", "boosted", "last_preemption", "waiting_for"),
-    *("swap_refusal", "workload", "remembered_bytes"),
+    *("swap_refusal", "workload", "remembered_bytes", "stuck_reason", "released"),
 )
 
 
@@ -97,6 +98,7 @@ def _gpu_facts(t: Mapping[str, Any], gpu: Mapping[str, Any]) -> Json:
         "eta_estimated": False,
         "ledger": t["ledgers"].get(gid),
         "handover_waits_for": gpu.get("handover_waits_for"),
+        "blocked_by": gpu.get("blocked_by"),
     }
     # Who holds it and who is ahead, with their priority (``priority 2 tenant X``).
     on_gpu = {str(o.get("id")): o for o in gpu.get("tenants") or []}
@@ -278,8 +280,10 @@ def explain_text(facts: Json) -> str:
         gone = format_duration(t.get("gone_for_s"))
         parts = [f"{who} is GONE: it left {gone} ago; kiwid keeps its ledger for a while."]
     else:
-        parts = []
         state = t.get("state")
+        parts = [stuck_sentence(t, who)] if state == "stuck" else []
+        if state == "released":
+            parts.append(released_sentence(t, who))
         for f in facts["gpus"]:
             if not f["healthy"]:
                 parts.append(f"GPU {f['gpu']} is UNHEALTHY (kiwid lost it).")
@@ -291,14 +295,16 @@ def explain_text(facts: Json) -> str:
                 parts.append(_corunning(who, f, facts["scheduling"]))
             elif state == "idle":
                 parts.append(_idle(who, f))
-            else:
+            elif state not in ("stuck", "released"):
                 parts.append(f"{who} is {str(state).upper()} on GPU {f['gpu']}.")
-        if not facts["gpus"]:
+            if f.get("blocked_by") not in (None, t["id"]) and state in ("waiting", "holder"):
+                parts.append(blocked_sentence(str(f["blocked_by"]), str(f["gpu"])))
+        if not facts["gpus"] and state not in ("stuck", "released"):
             parts.append(f"{who} is {str(state).upper()} and uses no GPU kiwid knows.")
         if len(facts["gpus"]) > 1:
             gpus = _ids(f["gpu"] for f in facts["gpus"])
             parts.append(f"It gets GPUs {gpus} together or none of them.")
-        if t.get("gate_failure"):
+        if t.get("gate_failure") and state != "stuck":
             parts.append(f"kiwid could not gate it ({t['gate_failure']}), so it runs un-gated.")
         if t.get("waiting_for") and state in ("waiting", "holder"):
             parts.append(f"It is not let go yet: {t['waiting_for']}.")

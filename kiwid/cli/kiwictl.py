@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
-from kiwid.cli import explain, top
+from kiwid.cli import explain, mending, top
 from kiwid.cli.status_text import format_number, format_status, format_tenants
 from kiwid.cli.workloads_text import format_workloads
 from kiwid.core.model import TenantPolicy
@@ -44,14 +44,24 @@ examples:
   kiwictl workloads           what kiwid remembers of each workload's earlier runs
   kiwictl forget 'unit train.service'
                               forget one: its next run is a newcomer again
+  kiwictl retry 4f2a          a STUCK tenant (a driver call failed or hung on it):
+                              try again; it then waits for its turn
+  kiwictl release 4f2a        or let it run ungated, outside the rotation, on your
+                              word (until it leaves, or you retry it)
 
-Changing the scheduler (-T, -S, set-weight, set-priority, forget) needs root or
-membership of the admin group (admin_group in /etc/kiwi.toml, default "kiwi");
-status, tenants and workloads are open to every local user.
+A tenant is stuck when an operation on it failed for good, ran past
+gpu.driver_timeout, or left the driver out of step: it stays gated and holds
+nothing while the others rotate (kiwictl status and explain say why).
+
+Changing the scheduler (-T, -S, set-weight, set-priority, forget, retry,
+release) needs root or membership of the admin group (admin_group in
+/etc/kiwi.toml, default "kiwi"); status, tenants and workloads are open to every
+local user.
 
 exit status:
   0  success
-  1  the request was invalid (refused by kiwictl or by kiwid)
+  1  the request was invalid (refused by kiwictl or by kiwid), or did not take
+     (a retry or release that left the tenant stuck)
   2  usage error
   3  kiwid is unreachable (not running, or no access to the socket)
   4  permission denied"""
@@ -109,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_top(sub)
     _add_explain(sub)
     _add_forget(sub)
+    for name, text in mending.HELP.items():
+        cmd = sub.add_parser(name, help=text, description=text)
+        _add_socket(cmd, argparse.SUPPRESS)
+        cmd.add_argument(
+            "tenant",
+            metavar="TENANT",
+            help="tenant id, container id (4+ characters), name, pod or PID",
+        )
     for name, what, kind in (
         ("set-weight", f"weight: its quantum is TQ x weight ({TenantPolicy.WEIGHT_RANGE})", float),
         (
@@ -175,7 +193,7 @@ def _add_forget(sub: Any) -> None:
 
 
 def _add_explain(sub: Any) -> None:
-    text = "say in plain words why a tenant waits or idles, who is ahead, and its ledger"
+    text = "say in plain words why a tenant waits, idles or is stuck, who is ahead, and its ledger"
     cmd = sub.add_parser("explain", help=text, description=text)
     _add_socket(cmd, argparse.SUPPRESS)
     cmd.add_argument(
@@ -213,6 +231,8 @@ def _run(args: argparse.Namespace) -> int:
         return top.run(path, interval=args.interval, once=args.once, window_s=args.window * 60)
     if args.command == "explain":
         return explain.run(path, args.tenant, as_json=args.json)
+    if args.command in mending.HELP:
+        return mending.run(path, args.command, args.tenant)
     if args.command in ("set-weight", "set-priority"):
         return _set_policy(path, args.command, args.tenant, args.value)
     if args.command == "forget":

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiwid.cli.fault_text import fault_clause
+
 __all__ = ["format_number", "format_status", "format_tenants"]
 
 
@@ -72,7 +74,13 @@ def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
         lines.append("  waiters  none")
     for i, w in enumerate(waiters):
         label = "  waiters  " if i == 0 else "           "
-        lines.append(f"{label}{w['position']}. {w['tenant']} waiting {w['waiting_s']:.1f} s")
+        unbounded = (
+            f" (no wait bound: {w['wait_bound_reason']})" if w.get("wait_bound_reason") else ""
+        )
+        lines.append(
+            f"{label}{w['position']}. {w['tenant']} waiting {w['waiting_s']:.1f} s{unbounded}"
+        )
+    lines += _stuck_lines(gpu)
     swaps = gpu.get("swaps")
     if swaps is None:  # an older kiwid: one swap at most
         swaps = [gpu["swap"]] if gpu.get("swap") else []
@@ -105,10 +113,37 @@ def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
             else ""
         )
         waiting = f"; not let go yet: {t['waiting_for']}" if t.get("waiting_for") else ""
+        if t.get("state") == "released":
+            waiting += f"; released by an operator ({t.get('released') or 'nothing to say'})"
         lines.append(
             f"{label}{t['id']} ({who}): {t.get('state')}, pids {pids}, {size}{where}{known}"
             f"{refused}{waiting}"
         )
+    return lines
+
+
+def _stuck_lines(gpu: dict[str, Any]) -> list[str]:
+    """Who is stuck on the GPU and why, who blocks it, and who is held back."""
+    lines: list[str] = []
+    reasons = {t.get("id"): t.get("stuck_reason") for t in gpu.get("tenants") or []}
+    for i, tid in enumerate(gpu.get("stuck") or []):
+        label = "  stuck    " if i == 0 else "           "
+        reason = reasons.get(tid) or {}
+        mending = "; a retry or release is under way" if reason.get("mending") else ""
+        lines.append(
+            f"{label}{tid}: {fault_clause(reason)}{mending} "
+            f"(kiwictl retry {tid}, or kiwictl release {tid})"
+        )
+    if gpu.get("blocked_by"):
+        lines.append(
+            f"  blocked  by {gpu['blocked_by']}: stuck and not gated, it may run; nobody "
+            "else is let go here until its gate takes"
+        )
+    stuck = set(gpu.get("stuck") or [])
+    held = [h for h in gpu.get("held_back") or [] if h.get("tenant") not in stuck]
+    for i, h in enumerate(held):
+        label = "  held     " if i == 0 else "           "
+        lines.append(f"{label}{h['tenant']}, gated: {h.get('waiting_for') or 'reason unknown'}")
     return lines
 
 
@@ -142,6 +177,13 @@ def format_status(status: dict[str, Any]) -> str:
             f"config   {config.get('path')}: last reload FAILED, previous settings kept: "
             f"{reload.get('error')}"
         )
+    state_file = status.get("state_file") or {}
+    if state_file.get("trouble"):
+        lines.append(
+            f"state    {state_file.get('path')}: UNUSABLE at start: {state_file['trouble']}"
+        )
+    for key, why in sorted((state_file.get("unusable_records") or {}).items()):
+        lines.append(f"state    record {key} kept for you, unusable: {why}")
     gpus = status.get("gpus") or []
     if not gpus:
         lines.append("no GPUs")

@@ -87,6 +87,7 @@ def view(table: TenantTable, now: float) -> SchedulerView:
             fault=_fault(t),
             gate_pending=t.gate_pending,
             released_note=t.released_note,
+            foreign_short=_foreign_short(table, t),
         )
         for t in sorted(table.tenants.values(), key=lambda t: t.id)
     )
@@ -106,6 +107,20 @@ def _fault(tenant: TenantRecord) -> FaultView | None:
         fault.pid,
         fault.answer,
     )
+
+
+def _foreign_short(table: TenantTable, tenant: TenantRecord) -> str | None:
+    """Why a gated tenant's restore waits on memory nobody kiwid knows holds (``None``: not so).
+
+    Its restore would fit by the scheduler's count of the card, yet the driver's last
+    reading of its free memory is short: something outside kiwid's tenants holds it.
+    """
+    if not tenant.gated or tenant.residency is not R.HOST or tenant.state is S.STUCK:
+        return None
+    gpus = frozenset(g for g in tenant.gpus if g in table.policies)
+    if room.shortfall(table, tenant, gpus, whole_card=False):
+        return None
+    return room.free_short(table, tenant, gpus)
 
 
 def _handover_waits_for(

@@ -115,6 +115,10 @@ class TenantView:
     """A gate was asked and not confirmed yet (it may still run)."""
     released_note: str | None = None
     """Released by an operator: what the release reported."""
+    foreign_short: str | None = None
+    """Gated in host RAM, its restore waits for free memory that the driver's reading
+    lacks although the scheduler's own count has room: memory nobody kiwid knows
+    holds (why, in words; ``None``: not so). No wait bound holds while it lasts."""
 
 
 @dataclass(frozen=True)

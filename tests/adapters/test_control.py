@@ -898,9 +898,27 @@ def test_set_weight_and_set_priority_are_for_the_admin_group(serve: Any) -> None
     assert calls == [("set-weight", weight), ("set-priority", priority)]
 
 
+@needs_root
+def test_retry_and_release_are_for_the_admin_group(serve: Any) -> None:
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    async def handler(cmd: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        calls.append((cmd, args))
+        return {}
+
+    st = serve(handler)
+    for cmd in ("retry", "release"):
+        assert as_nobody(st.path, cmd, {"tenant": "pod:a"})["code"] == "forbidden"
+        answer = as_nobody(st.path, cmd, {"tenant": "pod:a"}, extra_groups=[ADMIN_GID])
+        assert answer["ok"] is True
+    assert calls == [("retry", {"tenant": "pod:a"}), ("release", {"tenant": "pod:a"})]
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
+        ({"cmd": "retry", "args": {}}, "needs argument 'tenant' (string)"),
+        ({"cmd": "release", "args": {"tenant": 7}}, "'tenant' must be a string"),
         ({"cmd": "set-weight", "args": {"tenant": "a"}}, "needs argument 'weight' (number)"),
         ({"cmd": "set-weight", "args": {"tenant": 1, "weight": 1}}, "'tenant' must be a string"),
         ({"cmd": "set-weight", "args": {"tenant": "a", "weight": "2"}}, "must be a number"),
@@ -924,13 +942,14 @@ def test_the_command_table_is_public_and_typed() -> None:
     assert levels == {
         **dict.fromkeys(["ping", "status", "tenants", "workloads"], Access.READ),
         **dict.fromkeys(["set-tq", "set-mode", "set-weight", "set-priority"], Access.ADMIN),
-        "forget-workload": Access.ADMIN,
+        **dict.fromkeys(["forget-workload", "retry", "release"], Access.ADMIN),
         **dict.fromkeys(["sim-attach", "sim-detach", "sim-foreign", "sim-fault"], Access.ADMIN),
         **dict.fromkeys(["register", "unregister"], Access.ROOT),
     }
     assert COMMANDS["set-weight"].args == {"tenant": Arg(Kind.STRING), "weight": Arg(Kind.NUMBER)}
     assert COMMANDS["set-priority"].args["priority"] == Arg(Kind.INTEGER)
     assert COMMANDS["forget-workload"].args == {"workload": Arg(Kind.STRING)}
+    assert COMMANDS["retry"].args == COMMANDS["release"].args == {"tenant": Arg(Kind.STRING)}
     assert COMMANDS["register"].args["pod"] == Arg(Kind.STRING, required=False, nullable=True)
     with pytest.raises(TypeError):
         COMMANDS["ping"] = COMMANDS["status"]  # type: ignore[index]

@@ -115,6 +115,26 @@ STATUS: dict[str, Any] = {
                     "swap_refusal": "host RAM floor: 1073741824 bytes would leave 5 of the ...",
                     "policy": {"weight": 1.0, "priority": 0, "tq": 5.0, "swap": "allow"},
                 },
+                {
+                    "id": "pid:789",
+                    "name": "pid 789",
+                    "pod": None,
+                    "namespace": None,
+                    "state": "stuck",
+                    "footprint_bytes": 2**30,
+                    "ledger": LEDGER,
+                    "gate_failure": None,
+                    "stuck_reason": {
+                        "operation": "swap-in",
+                        "reason": "swap in: restore of pid 789 failed",
+                        "pid": 789,
+                        "answer": "CUDA_ERROR_OPERATING_SYSTEM (304)",
+                        "at_unix": 1.0,
+                        "contained": True,
+                        "mending": False,
+                    },
+                    "policy": {"weight": 1.0, "priority": 0, "tq": None, "swap": "allow"},
+                },
             ],
         },
         {
@@ -255,7 +275,8 @@ def test_weight_and_priority_of_live_tenants() -> None:
         for (name, key), _ in samples.items()
         if name in ("kiwi_tenant_weight", "kiwi_tenant_priority")
     }
-    assert policies == {"docker:ab12cd34ef56", "pid:456"}
+    assert policies == {"docker:ab12cd34ef56", "pid:456", "pid:789"}
+    assert "pid:99" not in policies
 
 
 def test_departed_tenants_stay_until_the_daemon_drops_them(serve) -> None:
@@ -425,6 +446,32 @@ def test_waiters_failures_and_daemon_gauges(serve) -> None:
     assert samples[("kiwi_tenant_swap_refused", bare | {("reason", "other")})] == 1
 
 
+def test_a_stuck_tenant_is_counted_by_the_operation_that_failed() -> None:
+    _, samples = parse(Exposition().render(STATUS))
+    stuck = labels(tenant="pid:789", name="pid 789", pod="", namespace="", gpu="0")
+    assert samples[("kiwi_tenant_stuck", stuck | {("operation", "swap-in")})] == 1
+    assert [k for k in samples if k[0] == "kiwi_tenant_stuck"] == [
+        ("kiwi_tenant_stuck", stuck | {("operation", "swap-in")})
+    ], "only the stuck tenant"
+    assert ("kiwi_tenant_gate_failed", stuck) not in samples, "its gate holds"
+    status = copy.deepcopy(STATUS)
+    status["gpus"][0]["tenants"][2].update(state="waiting", stuck_reason=None)  # mended
+    _, samples = parse(Exposition().render(status))
+    assert not [k for k in samples if k[0] == "kiwi_tenant_stuck"]
+
+
+def test_a_wait_without_a_bound_has_no_bound_series() -> None:
+    """kiwid leaves the bound out where none can hold: the alert compares nothing."""
+    status = copy.deepcopy(STATUS)
+    status["gpus"][0]["waiters"][0].update(
+        wait_bound_s=None, wait_bound_reason="pid:789 is stuck and may still run on GPU 0"
+    )
+    _, samples = parse(Exposition().render(status))
+    waiter = labels(gpu="0", tenant="pid:456")
+    assert samples[("kiwi_waiter_wait_seconds", waiter)] == 12.3
+    assert ("kiwi_waiter_wait_bound_seconds", waiter) not in samples
+
+
 def test_exported_families_are_exactly_the_declared_ones() -> None:
     families, _ = parse(Exposition().render(STATUS))
     declared = {name.removesuffix("_total") for name in METRIC_FAMILIES}
@@ -483,6 +530,8 @@ CHANGES = {
     "policy gone": _set((*HOLDER_AT, "policy"), None),
     "footprint": _set((*HOLDER_AT, "footprint_bytes"), 5),
     "gate failure": _set((*HOLDER_AT, "gate_failure"), "freeze timed out"),
+    "stuck": _set((*HOLDER_AT, "state"), "stuck"),
+    "stuck operation": _set(("gpus", 0, "tenants", 2, "stuck_reason", "operation"), "retry"),
     "swap refusal": _set((*HOLDER_AT, "swap_refusal"), "host RAM floor: ..."),
     "namespace": _set((*HOLDER_AT, "namespace"), "shop-2"),
     "departed ledger": _set(("departed", 0, "ledger", "preempted_priority"), 2),

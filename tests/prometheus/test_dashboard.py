@@ -63,6 +63,7 @@ def test_its_queries_use_only_series_kiwid_exports_and_the_shipped_rules() -> No
         "kiwi_tenant_weight",
         "kiwi_tenant_priority",
         "kiwi_tenant_preemptions_total",
+        "kiwi_tenant_stuck",
     } <= used
     assert not [e for e in queries if "kiwi_gpu_tq_seconds" in e and "+ 2" in e]
     shares = {

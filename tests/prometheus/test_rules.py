@@ -27,6 +27,7 @@ ALERTS = {
     "KiwiTenantWaitsTooLong",
     "KiwiSwapRefusedHostMemoryFloor",
     "KiwiGateFailing",
+    "KiwiTenantStuck",
     "KiwidReloadFailed",
     "KiwiGpuUnhealthy",
 }

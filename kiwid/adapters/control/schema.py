@@ -120,6 +120,9 @@ COMMANDS: Mapping[str, CommandSpec] = MappingProxyType(
         "set-priority": CommandSpec(
             Access.ADMIN, _args(tenant=Arg(Kind.STRING), priority=Arg(Kind.INTEGER))
         ),
+        # An operator's word on a stuck tenant: try again, or let it run ungated.
+        "retry": CommandSpec(Access.ADMIN, _args(tenant=Arg(Kind.STRING))),
+        "release": CommandSpec(Access.ADMIN, _args(tenant=Arg(Kind.STRING))),
         "sim-attach": CommandSpec(
             Access.ADMIN,
             _args(

@@ -32,14 +32,24 @@ _LEDGER_FIELDS = (
     "preempted",
     "preempted_priority",
 )
-# Per tenant, after the counters: (name, help). The swap and gate ones are present
-# only for a tenant whose last gate or swap failed; weight and priority only for a
-# live tenant (from its resolved ``policy``).
+# Per tenant, after the counters: (name, help). The gate, stuck and swap ones are
+# present only for a tenant whose gate or swap failed, or that is stuck (labelled
+# with the ``operation`` too); weight and priority only for a live tenant (from its
+# resolved ``policy``).
 _TENANT_GAUGES = (
     ("kiwi_tenant_footprint_bytes", "GPU memory the tenant uses (all its processes)."),
     (
         "kiwi_tenant_gate_failed",
-        "1 while the tenant's last freeze or lock failed (it runs on ungated); absent otherwise.",
+        "1 while the tenant's freeze or lock did not take, so that it may run ungated (it is "
+        "stuck, and nobody else is let go on its GPUs; its gate is tried again every TQ); "
+        "absent otherwise.",
+    ),
+    (
+        "kiwi_tenant_stuck",
+        "1 while the tenant is stuck, by the operation that failed (gate, ungate, swap-out, "
+        "swap-in, retry, release, adopt): it failed for good, ran past gpu.driver_timeout or "
+        "left the driver out of step, and the tenant waits for kiwictl retry or release; "
+        "absent otherwise.",
     ),
     (
         "kiwi_tenant_swap_refused",

@@ -20,6 +20,7 @@ from kiwid.adapters.sim import SimBackend
 from kiwid.config.reader import SHORT_TQ_S
 from kiwid.core.model import GpuPolicy, TenantPolicy
 from kiwid.daemon.context import Context
+from kiwid.daemon.control import operator
 from kiwid.daemon.control.admission import Admission
 from kiwid.daemon.control.status import StatusCache, tenant_json
 from kiwid.daemon.logs import seconds
@@ -289,6 +290,14 @@ async def _set_priority(c: Commands, args: dict[str, Any], peer: Peer) -> Result
     return _apply_runtime(c, _tenant_key(c, args["tenant"]), "priority", priority, peer)
 
 
+async def _retry(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    return await operator.retry(c.ctx, args["tenant"], peer)
+
+
+async def _release(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    return await operator.release(c.ctx, args["tenant"], peer)
+
+
 async def _register(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     return await c.admission.register(args, peer)
 
@@ -311,6 +320,8 @@ HANDLERS: dict[str, Handler] = {
     "sim-detach": _sim_detach,
     "set-weight": _set_weight,
     "set-priority": _set_priority,
+    "retry": _retry,
+    "release": _release,
     "register": _register,
     "unregister": _unregister,
 }

@@ -14,9 +14,16 @@ from typing import Any
 from kiwid import __version__
 from kiwid.adapters.control import EncodedResult
 from kiwid.core.ledger import LedgerView
-from kiwid.core.model import GpuPolicy, SwapMode
-from kiwid.core.view import GpuView, TenantView, WaiterView
+from kiwid.core.model import GpuPolicy, TenantState
+from kiwid.core.view import TenantView
 from kiwid.daemon.context import Context
+from kiwid.daemon.control.stuck import (
+    fault_json,
+    held_back_json,
+    state_file_json,
+    stuck_summary,
+)
+from kiwid.daemon.control.waits import waiter_json
 from kiwid.daemon.engine.records import Departed, Histogram, SwapProgress
 from kiwid.daemon.gpu_policy import MIB, configured
 from kiwid.daemon.tenants.policy import Resolved
@@ -58,7 +65,8 @@ def tenant_json(
     ``resident`` is ``False`` while its GPU memory is off the card (``residency``
     says where: in host RAM, or moving); ``waiting_for`` says why a gated tenant
     is not let go although it may be next; ``swap_refusal`` why its memory may not
-    move for now (e.g. the host memory floor).
+    move for now (e.g. the host memory floor); ``stuck_reason`` why it is stuck
+    (``None`` unless it is) and ``released`` what an operator's release reported.
     """
     ident = info.identity if info else None
     key = view.tenant
@@ -88,6 +96,8 @@ def tenant_json(
         "last_preemption": _preemption_json(view.last_preemption, now),
         "workload": workload,
         "remembered_bytes": view.remembered or None,
+        "stuck_reason": fault_json(view.fault, now),
+        "released": view.released_note if view.state is TenantState.RELEASED else None,
     }
 
 
@@ -135,6 +145,7 @@ def build_status(ctx: Context) -> dict[str, Any]:
     resolved = ctx.tenant_policies.resolved
     allowance = ctx.settings.scheduler.handover_allowance
     by_gpu = {g.gpu: g for g in view.gpus}
+    by_tenant = {t.tenant: t for t in view.tenants}
     gpus: list[dict[str, Any]] = []
     for device in ctx.devices:
         gid = str(device.index)
@@ -168,7 +179,10 @@ def build_status(ctx: Context) -> dict[str, Any]:
                 "holder": holder,
                 "waiters": []
                 if g is None
-                else [_waiter_json(g, w, now, allowance) for w in g.waiters],
+                else [
+                    waiter_json(g, w, now, allowance, gpus=by_gpu, tenants=by_tenant)
+                    for w in g.waiters
+                ],
                 "tenants": _with_shares(
                     [
                         tenant_json(
@@ -189,6 +203,9 @@ def build_status(ctx: Context) -> dict[str, Any]:
                 "handover_waits_for": g.handover_waits_for if g else None,
                 "swap_mode": policy.swap.value if policy else None,
                 "memory_resident_bytes": g.memory_in_use_bytes if g else 0,
+                "stuck": list(g.stuck) if g else [],
+                "blocked_by": g.blocked_by if g else None,
+                "held_back": held_back_json(g, by_tenant) if g else [],
             }
         )
     record = ctx.reload
@@ -209,6 +226,8 @@ def build_status(ctx: Context) -> dict[str, Any]:
         "host_floor_bytes": ctx.settings.memory.host_floor_mib * MIB,
         "handover_allowance_s": allowance,
         "departed": [_departed_json(d, now) for d in engine.departed(now)],
+        "state_file": state_file_json(ctx),
+        "driver_timeout_s": ctx.settings.gpu.driver_timeout,
     }
 
 
@@ -222,35 +241,6 @@ def _with_shares(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "received": round(e["ledger"]["holding_s"] / held, 4) if held else None,
         }
     return entries
-
-
-def _waiter_json(gpu: GpuView, waiter: WaiterView, now: float, allowance: float) -> dict[str, Any]:
-    """A waiter with its estimated turn and the bound on its wait.
-
-    ``eta_s``: the holder uses the rest of its quantum and everyone ahead a full
-    one of their own (TQ x weight), and every hand-over before its turn takes the
-    allowance (holders that go idle yield earlier; multi-GPU waiters may wait for
-    other GPUs too). ``wait_bound_s``, counted from when it started waiting: the
-    holder's quantum and the quanta ahead, plus one allowance, plus one TQ per
-    hand-over where memory swaps (a holder keeps the GPU up to one more TQ while
-    the next one's memory comes back). Behind a higher priority class the only
-    bound is ``scheduler.max_wait`` (then it goes first): ``None`` without one.
-    """
-    remaining = max(0.0, gpu.preempt_at - now) if gpu.preempt_at is not None else 0.0
-    policy = gpu.policy
-    holder_q = gpu.holder_quantum_s or 0.0
-    handover = policy.tq_s if policy.swap is not SwapMode.NONE else 0.0
-    bound: float | None = holder_q + waiter.ahead_s + allowance + waiter.position * handover
-    if waiter.outranked:
-        wait = policy.max_wait_s
-        bound = None if wait is None else wait + holder_q + allowance + handover
-    return {
-        "tenant": waiter.tenant,
-        "waiting_s": round(now - waiter.since, 3),
-        "position": waiter.position,
-        "eta_s": round(remaining + waiter.ahead_s + waiter.position * allowance, 3),
-        "wait_bound_s": None if bound is None else round(bound, 3),
-    }
 
 
 def _departed_json(d: Departed, now: float) -> dict[str, Any]:
@@ -275,7 +265,7 @@ def summary_line(status: Mapping[str, Any]) -> str:
         holder = gpu["holder"]["tenant"] if gpu["holder"] else "none"
         parts.append(
             f"GPU {gpu['id']}: TQ {gpu['tq']:g} s, {gpu['mode']}, holder {holder}, "
-            f"{len(gpu['waiters'])} waiting"
+            f"{len(gpu['waiters'])} waiting{stuck_summary(gpu)}"
         )
     return "; ".join(parts) if parts else "no GPUs"
 

@@ -174,21 +174,7 @@ def _build(reader: Reader, doc: Mapping[str, Any], service: ServiceLimits) -> Se
         _tenants(reader, doc),
     )
     _check_state_dir(reader, settings)
-    _check_driver_timeout(reader, settings)
     return settings
-
-
-def _check_driver_timeout(reader: Reader, settings: Settings) -> None:
-    """A driver call's deadline cannot be shorter than the lock's own timeout."""
-    gpu = settings.gpu
-    if {"gpu.driver_timeout", "gpu.gate_timeout"} & reader.refused:
-        return
-    if gpu.driver_timeout < gpu.gate_timeout:
-        reader.problem(
-            f"gpu.driver_timeout = {show_value(gpu.driver_timeout)}: must be at least "
-            f"gpu.gate_timeout ({show_value(gpu.gate_timeout)}): a lock may take that long "
-            "before the driver answers"
-        )
 
 
 def _check_state_dir(reader: Reader, settings: Settings) -> None:

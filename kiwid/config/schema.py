@@ -197,7 +197,13 @@ class GpuSettings:
     freezer if its lock cannot be trusted), holds nothing, and the others rotate on.
     A checkpoint or restore gets this plus twice its size at the slowest rate
     expected (1 GB/s out, 2 GB/s in; the simulated GPU's own rates). Default 10.
-    Range 1 to 3600, and at least ``gate_timeout``."""
+    Range 1 to 3600; a value below ``gate_timeout`` counts as ``gate_timeout`` (a
+    lock may take that long before the driver answers)."""
+
+    @property
+    def driver_deadline_s(self) -> float:
+        """``driver_timeout``, but never shorter than ``gate_timeout``."""
+        return max(self.driver_timeout, self.gate_timeout)
 
     sim_devices: int = 1
     """Number of simulated GPUs (``[gpu.sim] devices``) for backend ``"sim"``.

@@ -38,7 +38,8 @@ from kiwid.daemon.engine.engine import Engine
 from kiwid.daemon.engine.executor import Lanes
 from kiwid.daemon.engine.tools import SwapGuards
 from kiwid.daemon.gating import checkpointable, recovery
-from kiwid.daemon.gating.gates import CudaLockGate, FreezeGate, NullGate, TenantGate
+from kiwid.daemon.gating.cudagate import CudaLockGate
+from kiwid.daemon.gating.gates import FreezeGate, NullGate, TenantGate
 from kiwid.daemon.gating.state import StateError, StateFile, StateLocked
 from kiwid.daemon.gating.swap import CheckpointSwapper, SimSwapper, Swapper
 from kiwid.daemon.logs import setup_logging
@@ -194,9 +195,9 @@ def assemble(
     )
     # gpu.driver_timeout as in force now: a failing gate is tried again that long,
     # and each job gets its deadline from it (read from the settings a reload swaps).
-    effects.tools.retry_for_s = lambda: ctx.settings.gpu.driver_timeout
+    effects.tools.retry_for_s = lambda: ctx.settings.gpu.driver_deadline_s
     engine.deadline_s = deadlines(
-        lambda: ctx.settings.gpu.driver_timeout, lambda: ctx.settings.gpu.gate_timeout, swapper
+        lambda: ctx.settings.gpu.driver_deadline_s, lambda: ctx.settings.gpu.gate_timeout, swapper
     )
     for warning in loaded.warnings:
         log.warning("%s: %s", config_path, warning)

@@ -67,6 +67,7 @@ class Daemon:
         self._watcher: ConfigWatcher | None = None
         self._metrics: MetricsServer | None = None
         self._runner: ThreadRunner | None = None
+        ctx.engine.on_failure = self._engine_failed
 
     @property
     def engine(self) -> Engine:
@@ -86,6 +87,11 @@ class Daemon:
     def handle_hup(self) -> None:
         """SIGHUP: queue a reload."""
         self.request_reload("SIGHUP")
+
+    def _engine_failed(self, err: Exception) -> None:
+        """The scheduler failed (a bug): stop, letting every tenant go (exit 1)."""
+        self.should_exit = True
+        self._poke()
 
     def request_reload(self, reason: str) -> None:
         """Queue a reload (from a signal, the file watcher or a test)."""
@@ -121,10 +127,12 @@ class Daemon:
             try:
                 await self.main_loop()
             except Exception:
-                log.exception("kiwid's main loop failed; ungating every tenant")
+                if self.engine.failed is None:  # else logged where the engine failed
+                    log.exception("kiwid's main loop failed; ungating every tenant")
                 await self.shutdown()
                 return RUNTIME_FAILURE
-            return await self.shutdown()
+            code = await self.shutdown()
+            return RUNTIME_FAILURE if self.engine.failed is not None else code
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)

@@ -260,7 +260,7 @@ def test_lock_and_unlock_a_real_cuda_process() -> None:
 def test_the_gate_re_adopts_a_process_that_is_already_locked(stubs: dict[str, Path]) -> None:
     # A restarted kiwid gates the waiters a previous one left locked: that must
     # succeed (not fail and drop the record), and ungating must still unlock.
-    from kiwid.daemon.gating.gates import CudaLockGate  # noqa: PLC0415
+    from kiwid.daemon.gating.cudagate import CudaLockGate  # noqa: PLC0415
     from kiwid.daemon.gating.state import GatedRecord  # noqa: PLC0415
 
     cuda = CudaLock(str(stubs["full"]))

@@ -37,6 +37,7 @@ KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
     ("gpu", "poll_interval"): ("gpu", "poll_interval", "0.05", 0.05),
     ("gpu", "gate"): ("gpu", "gate", '"cuda-lock"', "cuda-lock"),
     ("gpu", "gate_timeout"): ("gpu", "gate_timeout", "0.5", 0.5),
+    ("gpu", "driver_timeout"): ("gpu", "driver_timeout", "20", 20.0),
     ("gpu.sim", "devices"): ("gpu", "sim_devices", "8", 8),
     ("gpu.sim", "memory_gib"): ("gpu", "sim_memory_gib", "141", 141.0),
     ("gpu.sim", "swap_out_gbps"): ("gpu", "sim_swap_out_gbps", "3", 3.0),

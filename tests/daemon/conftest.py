@@ -24,6 +24,7 @@ import pytest
 
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
 from tests.helpers import wait_for
+from tests.stand_ins.cudadouble import CudaTenant, DriverDouble, NoCompiler
 
 REPO = Path(__file__).resolve().parents[2]
 KIWID = [sys.executable, "-m", "kiwid"]
@@ -303,3 +304,63 @@ def status_json(k: Kiwid) -> dict[str, Any]:
     out = k.ctl("status", "--json")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+# ---- the driver double: kiwid's real GPU path on a card of its own ----------------
+
+DOUBLE_CAPACITY = 4 * 2**30
+DOUBLE_FOREIGN = 3 * 2**30 // 2  # three 1 GiB tenants and it do not fit (4.5 > 4)
+
+
+@dataclass
+class Card:
+    """The double's card and the cgroups its tenants run in."""
+
+    double: DriverDouble
+    parent: Path
+
+    def arrive(self, name: str, memory: int = 2**30, **kw) -> CudaTenant:
+        """Start a tenant in cgroup ``name`` once the card has room for it.
+
+        A job that starts on a full card fails to allocate (the double says out
+        of memory), as it would on a real one: it is started again.
+        """
+        cgroup = self.parent / name
+        cgroup.mkdir(exist_ok=True)
+
+        def started() -> CudaTenant | None:
+            try:
+                return self.double.spawn_tenant(memory, cgroup=cgroup, **kw)
+            except RuntimeError:
+                return None
+
+        return wait_for(started, 15, f"{name} to find room on the card")
+
+    def key(self, tenant: CudaTenant) -> str:
+        assert tenant.cgroup is not None
+        return f"cgroup:/{tenant.cgroup.relative_to(V2_ROOT)}"
+
+
+@pytest.fixture
+def card(workdir: Path) -> Iterator[Card]:
+    """A 4 GiB card with 1.5 GiB taken by another job; swaps at 2 GB/s out, 4 in."""
+    try:
+        double = DriverDouble(
+            workdir / "cuda",
+            DOUBLE_CAPACITY,
+            foreign_bytes=DOUBLE_FOREIGN,
+            checkpoint_bytes_per_s=2 * 2**30,
+            restore_bytes_per_s=4 * 2**30,
+        )
+    except NoCompiler as err:
+        pytest.skip(str(err))
+    parent = V2_ROOT / f"kiwi-test-{uuid.uuid4().hex[:8]}"
+    parent.mkdir()
+    try:
+        yield Card(double, parent)
+    finally:
+        double.close()
+        for cgroup in [*parent.iterdir(), parent]:
+            if cgroup.is_dir():
+                with contextlib.suppress(OSError):
+                    cgroup.rmdir()

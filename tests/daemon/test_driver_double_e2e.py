@@ -9,31 +9,34 @@ own: they work while RUNNING and stop while locked or checkpointed, as a CUDA
 job does. What the double holds (who is RUNNING, LOCKED, CHECKPOINTED, what is
 on the card) is read under its lock: one consistent snapshot.
 
-Only the fault-free path and ``kiwid recover`` after SIGKILL are exercised here.
+The fault-free path and ``kiwid recover`` after SIGKILL; the faults are in
+``test_driver_faults_e2e.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
-from tests.daemon.conftest import KIWID, V2_ROOT, Kiwid, wait_for
+from tests.daemon.conftest import (
+    DOUBLE_CAPACITY,
+    DOUBLE_FOREIGN,
+    KIWID,
+    Card,
+    Kiwid,
+    wait_for,
+)
 from tests.daemon.test_swap_e2e import swap_lines
 from tests.stand_ins import cudadir
-from tests.stand_ins.cudadouble import CudaTenant, DriverDouble, NoCompiler
+from tests.stand_ins.cudadouble import CudaTenant, DriverDouble
 
 GiB = 2**30
-CAPACITY = 4 * GiB
+CAPACITY = DOUBLE_CAPACITY
 TENANT = GiB
-FOREIGN = 3 * GiB // 2  # three tenants and it do not fit (4.5 > 4); two and it do
+FOREIGN = DOUBLE_FOREIGN  # three tenants and it do not fit (4.5 > 4); two and it do
 
 
 def config(d: Path, tq: float = 1) -> str:
@@ -57,60 +60,6 @@ shutdown_timeout = 10
 [kubernetes]
 cdi_dir = ""
 """
-
-
-@dataclass
-class Card:
-    """The double's card and the cgroups its tenants run in."""
-
-    double: DriverDouble
-    parent: Path
-
-    def arrive(self, name: str, memory: int = TENANT, **kw) -> CudaTenant:
-        """Start a tenant in cgroup ``name`` once the card has room for it.
-
-        A job that starts on a full card fails to allocate (the double says out
-        of memory), as it would on a real one: it is started again.
-        """
-        cgroup = self.parent / name
-        cgroup.mkdir(exist_ok=True)
-
-        def started() -> CudaTenant | None:
-            try:
-                return self.double.spawn_tenant(memory, cgroup=cgroup, **kw)
-            except RuntimeError:
-                return None
-
-        return wait_for(started, 15, f"{name} to find room on the card")
-
-    def key(self, tenant: CudaTenant) -> str:
-        assert tenant.cgroup is not None
-        return f"cgroup:/{tenant.cgroup.relative_to(V2_ROOT)}"
-
-
-@pytest.fixture
-def card(workdir: Path) -> Iterator[Card]:
-    """A 4 GiB card with 1.5 GiB taken by another job; swaps at 2 GB/s out, 4 in."""
-    try:
-        double = DriverDouble(
-            workdir / "cuda",
-            CAPACITY,
-            foreign_bytes=FOREIGN,
-            checkpoint_bytes_per_s=2 * GiB,
-            restore_bytes_per_s=4 * GiB,
-        )
-    except NoCompiler as err:
-        pytest.skip(str(err))
-    parent = V2_ROOT / f"kiwi-test-{uuid.uuid4().hex[:8]}"
-    parent.mkdir()
-    try:
-        yield Card(double, parent)
-    finally:
-        double.close()
-        for cgroup in [*parent.iterdir(), parent]:
-            if cgroup.is_dir():
-                with contextlib.suppress(OSError):
-                    cgroup.rmdir()
 
 
 def holder(k: Kiwid) -> str | None:
@@ -211,36 +160,3 @@ def test_three_tenants_larger_than_the_card_rotate_and_recover_after_sigkill(
         assert f"Ungated {card.key(tenants[n])}" in out.stderr, out.stderr
         wait_for(lambda n=n: tenants[n].progress() > stalled[n], 5, f"{n} to work again")
     assert not (workdir / "state" / "state.json").exists()
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="kiwid locks the processes a tenant had when it was gated; a CUDA process it "
-    "starts while it waits runs unlocked beside the holder",
-)
-def test_a_waiting_tenants_new_process_is_locked_too(
-    start_kiwid, workdir: Path, card: Card
-) -> None:
-    double = card.double
-    (workdir / "kiwi.toml").write_text(config(workdir, tq=30))
-    k = start_kiwid(env=double.env())
-    k.wait_log("Gate: the CUDA driver's process lock")
-    b = card.arrive("b")
-    wait_for(lambda: holder(k) == card.key(b), 10, "b to hold the GPU")
-    # Two processes now, a third (a new context) 3 s after the start.
-    a = card.arrive("a", TENANT // 2, processes=2, spawn_later=3)
-    first = a.pids()
-    wait_for(lambda: k.tenant_states().get(card.key(a)) == "waiting", 10, "a to wait")
-    wait_for(lambda: double.state(first[0]) == cudadir.CHECKPOINTED, 10, "a in host RAM")
-    wait_for(lambda: len(a.pids()) == 3, 10, "a's new process")
-    if holder(k) != card.key(b):
-        pytest.fail("a got its turn before its new process came: the test proves nothing")
-
-    def running() -> list[int]:
-        return [p for p in a.pids() if double.state(p) == cudadir.RUNNING]
-
-    deadline = time.monotonic() + 5
-    while running() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not running(), f"a's processes {running()} run while a waits (of {a.pids()})"

@@ -305,7 +305,7 @@ def test_recover_and_start_up_refuse_a_state_file_that_is_not_one(
     assert str(path) in out.stderr
     assert "Traceback" not in out.stderr
     k = start_kiwid()  # kiwid starts all the same, and says why it ignored the file
-    k.wait_log("Ignoring the state file")
+    k.wait_log("Cannot use the state file")
     assert "Traceback" not in k.log_text()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import subprocess
 import threading
@@ -24,6 +25,7 @@ from kiwid.adapters.control import request
 from kiwid.adapters.sim import SimBackend
 from kiwid.config import load_config
 from kiwid.core.clock import FakeClock
+from kiwid.core.events import Gated
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.main import assemble
@@ -67,6 +69,10 @@ class ScriptedGate:
 
     def forget(self, tenant: str) -> None:
         """Nothing to drop."""
+
+    def holds(self, tenant: TenantInfo) -> bool:
+        """Nothing is held before kiwid gates it."""
+        return False
 
     def did(self, what: str, tenant: str) -> bool:
         """Whether that call returned."""
@@ -352,3 +358,40 @@ def test_the_next_holder_runs_only_after_the_previous_one_is_gated(
                 await daemon.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_scheduler_that_fails_stops_kiwid_and_lets_every_tenant_go(
+    tmp_path: Path, sleepers, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 17, item 4: an exception in the engine's callbacks (a job's outcome fed to
+    # the scheduler, on the loop) was only logged by asyncio, and could leave a tenant
+    # half-done for good. Now the daemon stops, lets everyone go, and exits 1.
+    gate = ScriptedGate()
+    pinger = Pinger()
+    daemon, sim = make_daemon(tmp_path, gate, notifier=pinger)
+    a, b = sleepers(), sleepers()
+    scheduler = daemon.engine.scheduler
+    handle = scheduler.handle
+
+    def failing(event: object, now: float) -> list[object]:
+        if isinstance(event, Gated) and event.tenant == key(b):  # b's gate is reported
+            raise RuntimeError("a bug in the scheduler")
+        return handle(event, now)  # type: ignore[arg-type]
+
+    scheduler.handle = failing  # type: ignore[method-assign]
+
+    async def scenario() -> int:
+        run = asyncio.create_task(daemon.run())
+        await until(lambda: "READY=1" in pinger.messages, "kiwid to be ready")
+        sim.attach(a.pid, 0, GiB, "active")
+        await until(lambda: scheduler.tenant_state(key(a)), "a to be seen")
+        sim.attach(b.pid, 0, GiB, "active")
+        return await asyncio.wait_for(run, 20)
+
+    with caplog.at_level(logging.INFO):
+        assert asyncio.run(scenario()) == RUNTIME_FAILURE
+    assert gate.did("gate", key(b)) and gate.did("ungate", key(b)), gate.calls
+    assert not StateFile(tmp_path / "state").load(), "nothing is left recorded as gated"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("The scheduler failed on" in m for m in messages), messages
+    assert not any("Exception in callback" in m for m in messages), messages

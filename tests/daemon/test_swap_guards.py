@@ -50,7 +50,7 @@ class World:
                 free_bytes=lambda gpu: self.backend.free_memory(int(gpu)),
                 reserve_bytes=lambda: GiB,
                 unswappable=lambda pids: unswappable,
-                checkpoint_failed=lambda t, why: self.failed.append((t, why)),
+                checkpoint_failed=lambda t, why, permanent: self.failed.append((t, why)),
             ),
         )
         self.executor = Executor()

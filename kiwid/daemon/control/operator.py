@@ -121,7 +121,7 @@ async def _outcome(ctx: Context, tenant: str, asked: str, peer: Peer) -> dict[st
     """Wait (bounded, asynchronously) for the engine's answer; say where the tenant stands."""
     engine = ctx.engine
     started = ctx.clock()
-    deadline = started + 2 * ctx.settings.gpu.driver_timeout + GRACE_S
+    deadline = started + 2 * ctx.settings.gpu.driver_deadline_s + GRACE_S
     seen = -1
     view = None
     while True:

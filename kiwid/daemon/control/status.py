@@ -227,7 +227,7 @@ def build_status(ctx: Context) -> dict[str, Any]:
         "handover_allowance_s": allowance,
         "departed": [_departed_json(d, now) for d in engine.departed(now)],
         "state_file": state_file_json(ctx),
-        "driver_timeout_s": ctx.settings.gpu.driver_timeout,
+        "driver_timeout_s": ctx.settings.gpu.driver_deadline_s,
     }
 
 

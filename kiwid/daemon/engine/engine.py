@@ -94,6 +94,10 @@ class Engine:
         self.deadline_s: Callable[[Job, int], float] = deadline_s or (lambda job, nbytes: math.inf)
         self._due: dict[Job, float] = {}
         self._orphaned: set[Job] = set()  # running jobs of tenants that left since
+        self.failed: Exception | None = None
+        """What made the scheduler fail, once it did (a bug): nothing is applied since."""
+        self.on_failure: Callable[[Exception], None] = lambda err: None
+        """Told once the scheduler failed (the daemon stops)."""
         self.abandoned: dict[Job, float] = {}
         """Jobs that ran past their deadline and whose thread has not returned (a driver
         call that hangs), with when they started: their tenant is stuck, and a retry
@@ -102,29 +106,50 @@ class Engine:
     # ------------------------------------------------------------ events in
 
     def apply(self, events: Iterable[Event]) -> None:
-        """Feed ``events`` to the scheduler and queue the actions it returns."""
+        """Feed ``events`` to the scheduler and queue the actions it returns.
+
+        Raises:
+            EngineFailed: the scheduler failed on one (a bug); :attr:`failed` says
+                which, and nothing is applied any more: kiwid stops and lets every
+                tenant go, rather than go on from tables a failure left half-done.
+        """
+        if self.failed is not None:
+            raise EngineFailed(f"the engine failed before: {self.failed!r}")
         for event in events:
-            now = self._clock()
-            detached = isinstance(event, TenantDetached)
-            if detached:
-                self._depart(event.tenant, now)  # type: ignore[union-attr]
-            actions = self.scheduler.handle(event, now)
-            transitions = self.scheduler.drain_transitions()
-            if actions or transitions or not isinstance(event, ActivitySeen):
-                self.generation += 1
-            for change in transitions:
-                self._log_transition(change)
-            for tenant, notice in self.scheduler.drain_notices():
-                who = _who(self.tracker.tenants.get(tenant), tenant)
-                log.warning("Swap out of %s not done: %s", who, notice)
-            if detached:
-                self._leave(event.tenant)  # type: ignore[union-attr]
-                self._submit(None, event.tenant)  # type: ignore[union-attr]
-            if isinstance(event, TenantFaulted | Released):
-                self._stuck(event.tenant)
-            for action in actions:
-                self._submit(action, action.tenant)
+            try:
+                self._apply_one(event)
+            except Exception as err:
+                self.failed = err
+                self.stopping = True
+                log.exception(
+                    "The scheduler failed on %s; kiwid stops and lets go of every tenant", event
+                )
+                self.on_failure(err)
+                raise EngineFailed(f"the scheduler failed on {event}: {err!r}") from err
         self._kick()
+
+    def _apply_one(self, event: Event) -> None:
+        """Apply one event: the scheduler, its log lines, the jobs it asks for."""
+        now = self._clock()
+        detached = isinstance(event, TenantDetached)
+        if detached:
+            self._depart(event.tenant, now)  # type: ignore[union-attr]
+        actions = self.scheduler.handle(event, now)
+        transitions = self.scheduler.drain_transitions()
+        if actions or transitions or not isinstance(event, ActivitySeen):
+            self.generation += 1
+        for change in transitions:
+            self._log_transition(change)
+        for tenant, notice in self.scheduler.drain_notices():
+            who = _who(self.tracker.tenants.get(tenant), tenant)
+            log.warning("Swap out of %s not done: %s", who, notice)
+        if detached:
+            self._leave(event.tenant)  # type: ignore[union-attr]
+            self._submit(None, event.tenant)  # type: ignore[union-attr]
+        if isinstance(event, TenantFaulted | Released):
+            self._stuck(event.tenant)
+        for action in actions:
+            self._submit(action, action.tenant)
 
     def _leave(self, tenant: str) -> None:
         """A tenant left: its queued jobs are moot, its running ones speak for nobody.
@@ -330,6 +355,10 @@ class Engine:
             log.debug("%s: %s -> %s (%s)", who, change.old.value, change.new.value, trigger.value)
 
 
+class EngineFailed(Exception):
+    """The scheduler failed on an event (a bug): kiwid stops and lets every tenant go."""
+
+
 class ThreadRunner:
     """Carries each job out on a thread of its own and reports back on the loop.
 
@@ -352,9 +381,16 @@ class ThreadRunner:
     def _run(self, job: Job) -> None:
         events = self._engine.effects.carry_out(job)
         try:
-            self._loop.call_soon_threadsafe(self._engine.finished, job, events)
+            self._loop.call_soon_threadsafe(self._report, job, events)
         except RuntimeError:  # the loop is closed: kiwid is exiting
             return
+
+    def _report(self, job: Job, events: list[Event]) -> None:
+        """Hand the job's outcome to the engine (on the loop); a failure there stops kiwid."""
+        try:
+            self._engine.finished(job, events)
+        except EngineFailed:
+            return  # logged, and the daemon told, where it failed
 
     async def wait_idle(self) -> None:
         """Return once no job runs."""

@@ -10,12 +10,12 @@ process of it is locked, before a fence.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 from kiwid.core.events import Event, Gated, TenantFaulted
 from kiwid.daemon.engine.executor import Job
 from kiwid.daemon.engine.tools import Tools, who
-from kiwid.daemon.gating.gates import CudaLockGate, GateError
+from kiwid.daemon.gating.cudagate import CudaLockGate
+from kiwid.daemon.gating.gates import GateError
 
 log = logging.getLogger("kiwid.engine")
 
@@ -101,11 +101,6 @@ def follow(tools: Tools, job: Job) -> list[Event]:
 def fence(tools: Tools, job: Job) -> list[Event]:
     """Fence a tenant whose gate or lock never answered: the fault, told as it now stands."""
     fault = job.fault or TenantFaulted(job.tenant, "gate", "its lock cannot be trusted")
-    if tools.state.records.get(job.tenant) is None and job.info is not None:
-        try:  # never recorded (its gate hung before the record): record it now
-            tools.state.put(replace(tools.gate.prepare(job.info), fenced=False))
-        except (GateError, OSError) as err:
-            log.error("Cannot record %s to fence it: %s", job.tenant, err)
     return [tools.fence(job.info, fault)]
 
 

@@ -21,7 +21,8 @@ from kiwid.core.residency import Residency
 from kiwid.daemon.engine.executor import Job
 from kiwid.daemon.engine.tools import Tools, who
 from kiwid.daemon.gating import recovery
-from kiwid.daemon.gating.gates import CudaLockGate, GateError
+from kiwid.daemon.gating.cudagate import CudaLockGate
+from kiwid.daemon.gating.gates import GateError
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.swap import Placement, SwapError
 

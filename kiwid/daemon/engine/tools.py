@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 
 from kiwid.core.events import TenantFaulted
 from kiwid.core.residency import Residency
-from kiwid.daemon.gating.gates import CudaLockGate, GateError, TenantGate
+from kiwid.daemon.gating.cudagate import CudaLockGate
+from kiwid.daemon.gating.gates import GateError, TenantGate
 from kiwid.daemon.gating.record import GatedRecord, RecordedFault
 from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.gating.swap import Placement, Swapper
@@ -107,12 +108,12 @@ class Tools:
         fence (the freezer gate, no record, no cgroup) the fault says it may run.
         """
         gate = self.gate
-        record = self.state.records.get(fault.tenant)
-        if not isinstance(gate, CudaLockGate) or info is None or record is None:
+        if not isinstance(gate, CudaLockGate) or info is None:
             return _as(fault, contained=False, why="no fence")
         try:
+            record = self.state.records.get(fault.tenant) or gate.prepare(info)
             fenced = gate.fence(info, record)
-            self.state.put(fenced)
+            self.state.put(fenced)  # write-ahead: every way out thaws it
             try:
                 gate.freeze_fence(fenced)
             except GateError:

@@ -6,11 +6,7 @@
 * ``CudaLockGate`` takes the driver's process lock on each of the tenant's
   processes: only their CUDA calls stop, their CPU work goes on. The lock
   outlives the process that took it, so it is recorded like a freeze and undone
-  by ``kiwid recover`` or the next start. A process the tenant starts later is
-  locked too (:meth:`CudaLockGate.follow`). When the lock cannot be trusted (a
-  call that failed half-way, or never returned), the tenant's cgroup is frozen
-  as well, a *fence* (:meth:`CudaLockGate.fence`): the freezer is the lever that
-  does not depend on the driver.
+  by ``kiwid recover`` or the next start (:mod:`kiwid.daemon.gating.cudagate`).
 * ``NullGate`` gates nothing: kiwid runs without the rights to freeze (not
   root), still schedules and shows the rotation, and says so at start.
 
@@ -25,10 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import replace
 from typing import Protocol
 
-from kiwid.adapters import procs
 from kiwid.adapters.cgroups import (
     CgroupLayout,
     CgroupRef,
@@ -38,7 +32,6 @@ from kiwid.adapters.cgroups import (
     isolate_process,
     remove_isolation,
 )
-from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.tenants.tracker import TenantInfo
 from kiwid.linux.proc import read_stat
@@ -116,7 +109,7 @@ class FreezeGate:
             ids = cgroup_ids(self.layout, ref)
         except FreezeError as err:
             raise GateError(f"{tenant.key}: {err}") from err
-        return _record(tenant, self.method, ref.v2, ref.v1_freezer, ids)
+        return make_record(tenant, self.method, ref.v2, ref.v1_freezer, ids)
 
     def ref_of(self, tenant: TenantInfo) -> CgroupRef:
         """The cgroup that freezes ``tenant`` and nothing else (a bare process is isolated).
@@ -192,165 +185,6 @@ class FreezeGate:
                 remove_isolation(ref, self.layout)
 
 
-class CudaLockGate:
-    """Lock the CUDA calls of every process of a tenant (driver r550+)."""
-
-    method = "cuda-lock"
-
-    def __init__(
-        self, lock: CudaLock, timeout_s: float = 2.0, fence: FreezeGate | None = None
-    ) -> None:
-        """Use ``lock``; give the driver ``timeout_s`` to drain a process's work.
-
-        ``fence``: the freezer that holds a tenant whose lock cannot be trusted
-        (``None``: no fence; such a tenant may run, and kiwid says so).
-        """
-        self._lock = lock
-        self._timeout_ms = max(1, int(timeout_s * 1000))
-        self._fence = fence
-
-    @property
-    def lock(self) -> CudaLock:
-        """The driver library it locks with (the checkpoint swapper uses it too)."""
-        return self._lock
-
-    def prepare(self, tenant: TenantInfo) -> GatedRecord:
-        """Return the record (the PIDs to unlock)."""
-        ident = tenant.identity
-        return _record(tenant, self.method, ident.cgroup_v2, ident.cgroup_v1_freezer)
-
-    def gate(self, record: GatedRecord) -> None:
-        """Lock every process; if one fails, unlock those already locked.
-
-        Raises:
-            GateError: a process could not be locked (none is left locked).
-        """
-        self._lock_all(record, record.pids)
-
-    def follow(self, record: GatedRecord, pids: tuple[int, ...]) -> None:
-        """Lock ``pids``, processes a gated tenant started since it was gated.
-
-        A process with no CUDA context yet is left alone (it cannot run on the
-        GPU; the next poll that lists it locks it).
-
-        Raises:
-            GateError: one could not be locked (the others stay locked).
-        """
-        self._lock_all(record, pids, undo=False)
-
-    def _lock_all(self, record: GatedRecord, pids: tuple[int, ...], *, undo: bool = True) -> None:
-        done: list[int] = []
-        for pid in pids:
-            try:
-                # Already locked (or in host RAM): a previous kiwid gated it and
-                # this one re-adopts it. Locking again would fail, and dropping
-                # the record then would strand it.
-                if self._lock.state(pid) is not ProcessState.RUNNING:
-                    continue
-                self._lock.lock(pid, self._timeout_ms)
-            except CudaLockError as err:
-                if err.name == "CUDA_ERROR_NOT_INITIALIZED" and procs.alive(pid):
-                    continue  # no CUDA context (yet): nothing of it runs on the GPU
-                if undo:
-                    for locked in done:
-                        with contextlib.suppress(CudaLockError):
-                            self._lock.unlock(locked)
-                raise GateError(
-                    f"{record.tenant}: cannot lock pid {pid}: {err}", pid, _answer(err)
-                ) from err
-            done.append(pid)
-
-    def fence(self, tenant: TenantInfo, record: GatedRecord) -> GatedRecord:
-        """The record with the cgroup that fences ``tenant`` (to write ahead, then freeze).
-
-        Raises:
-            GateError: there is no fence here, or the tenant's cgroup cannot be found.
-        """
-        if self._fence is None:
-            raise GateError(f"{record.tenant}: no cgroup freezer to fence it with")
-        ref = self._fence.ref_of(tenant)
-        try:
-            ids = cgroup_ids(self._fence.layout, ref)
-        except FreezeError as err:
-            raise GateError(f"{record.tenant}: {err}") from err
-        return replace(
-            record, cgroup_v2=ref.v2, cgroup_v1_freezer=ref.v1_freezer, cgroup_ids=ids, fenced=True
-        )
-
-    def freeze_fence(self, record: GatedRecord) -> None:
-        """Freeze a fenced record's cgroup.
-
-        Raises:
-            GateError: no fence here, or it did not freeze.
-        """
-        if self._fence is None or not record.fenced:
-            raise GateError(f"{record.tenant}: no fence to freeze")
-        self._fence.gate(record)
-
-    def unfence(self, record: GatedRecord) -> GatedRecord:
-        """Thaw a fenced record's cgroup (its lock holds it again); the record without it.
-
-        Raises:
-            GateError: the fence would not thaw.
-        """
-        if record.fenced:
-            (self._fence or FreezeGate(CgroupLayout.detect())).ungate(record)
-        return replace(record, fenced=False)
-
-    def ungate(self, record: GatedRecord) -> None:
-        """Unlock every process that is still locked, then thaw its fence if it has one.
-
-        Raises:
-            GateError: a live, locked process refused to unlock, or the fence to thaw.
-        """
-        unlock_all(self._lock, record)
-        if record.fenced:
-            (self._fence or FreezeGate(CgroupLayout.detect())).ungate(record)
-
-    def holds(self, tenant: TenantInfo) -> bool:
-        """Whether a process of ``tenant`` is locked or checkpointed now."""
-        for pid in tenant.pids:
-            with contextlib.suppress(CudaLockError):
-                if self._lock.state(pid) is not ProcessState.RUNNING:
-                    return True
-        return False
-
-    def forget(self, tenant: str) -> None:
-        """Drop the fence's isolation cgroup, if any (the lock ends with the process)."""
-        if self._fence is not None:
-            self._fence.forget(tenant)
-
-
-def unlock_all(lock: CudaLock, record: GatedRecord) -> None:
-    """Unlock every live, locked process of ``record`` (restore those in host RAM first).
-
-    Raises:
-        GateError: a live process refused to unlock, or its memory stayed in host RAM.
-    """
-    failed: list[str] = []
-    first: GateError | None = None
-    for pid, start in record.pid_starts().items():
-        if not procs.alive(pid, start):
-            continue  # gone (or a zombie, or the PID is someone else's now)
-        try:
-            state = lock.state(pid)
-            if state is ProcessState.CHECKPOINTED:  # unlocking would strand it
-                failed.append(f"pid {pid}: its memory is in host RAM; restore it first")
-                first = first or GateError("", pid, "CHECKPOINTED")
-            elif state is ProcessState.LOCKED:
-                lock.unlock(pid)
-        except CudaLockError as err:
-            # A process being torn down (SIGKILLed) has no CUDA state left to
-            # query: the driver says NOT_INITIALIZED. Nothing stays locked.
-            if err.name == "CUDA_ERROR_NOT_INITIALIZED" or not procs.alive(pid):
-                continue
-            failed.append(f"pid {pid}: {err}")
-            first = first or GateError("", pid, _answer(err))
-    if failed:
-        message = f"{record.tenant}: cannot unlock {'; '.join(failed)}"
-        raise GateError(message, first.pid if first else None, first.answer if first else None)
-
-
 class NullGate:
     """Gate nothing (no rights to freeze): the schedule is computed and shown only."""
 
@@ -358,7 +192,7 @@ class NullGate:
 
     def prepare(self, tenant: TenantInfo) -> GatedRecord:
         """Return a record that needs no undoing."""
-        return _record(tenant, self.method, None, None)
+        return make_record(tenant, self.method, None, None)
 
     def gate(self, record: GatedRecord) -> None:
         """Do nothing."""
@@ -374,13 +208,14 @@ class NullGate:
         return False
 
 
-def _record(
+def make_record(
     tenant: TenantInfo,
     method: str,
     v2: str | None,
     v1: str | None,
     ids: tuple[int | None, int | None] = (None, None),
 ) -> GatedRecord:
+    """The record of a gate of ``tenant`` by ``method`` on cgroups ``v2``/``v1``."""
     pids = tuple(sorted(tenant.pids))
     return GatedRecord(
         tenant.key, method, v2, v1, pids, cgroup_ids=ids, starts=tuple(map(start_of, pids))
@@ -397,28 +232,5 @@ def _ref(record: GatedRecord) -> CgroupRef:
     return CgroupRef(v2=record.cgroup_v2, v1_freezer=record.cgroup_v1_freezer)
 
 
-def _answer(err: CudaLockError) -> str:
-    return f"{err.name} ({err.code})"
-
-
 def _errno(err: Exception) -> str | None:
     return f"errno {err.errno}" if isinstance(err, OSError) and err.errno else None
-
-
-def ungate_record(record: GatedRecord, layout: CgroupLayout | None = None) -> None:
-    """Undo ``record`` without a running daemon (``kiwid recover``, start-up).
-
-    Raises:
-        GateError: the tenant could not be ungated.
-    """
-    if record.method == "freeze":
-        FreezeGate(layout or CgroupLayout.detect()).ungate(record)
-    elif record.method == "cuda-lock":
-        try:
-            lock = CudaLock()
-        except CudaLockError as err:
-            raise GateError(f"{record.tenant}: the CUDA lock is unavailable here: {err}") from err
-        fence = FreezeGate(layout or CgroupLayout.detect()) if record.fenced else None
-        CudaLockGate(lock, fence=fence).ungate(record)
-    elif record.method != "none":
-        raise GateError(f"{record.tenant}: unknown gate method {record.method!r}")

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiwid.adapters import procs
-from kiwid.daemon.gating.gates import GateError, TenantGate, ungate_record
+from kiwid.adapters.cgroups import CgroupLayout
+from kiwid.adapters.cudalock import CudaLock, CudaLockError
+from kiwid.daemon.gating.cudagate import CudaLockGate
+from kiwid.daemon.gating.gates import FreezeGate, GateError, TenantGate
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.gating.swap import SwapError, Swapper, restore_record
@@ -134,3 +137,22 @@ def report_skipped(state: StateFile) -> None:
             state.path,
             why,
         )
+
+
+def ungate_record(record: GatedRecord, layout: CgroupLayout | None = None) -> None:
+    """Undo ``record`` without a running daemon (``kiwid recover``, start-up).
+
+    Raises:
+        GateError: the tenant could not be ungated.
+    """
+    if record.method == "freeze":
+        FreezeGate(layout or CgroupLayout.detect()).ungate(record)
+    elif record.method == "cuda-lock":
+        try:
+            lock = CudaLock()
+        except CudaLockError as err:
+            raise GateError(f"{record.tenant}: the CUDA lock is unavailable here: {err}") from err
+        fence = FreezeGate(layout or CgroupLayout.detect()) if record.fenced else None
+        CudaLockGate(lock, fence=fence).ungate(record)
+    elif record.method != "none":
+        raise GateError(f"{record.tenant}: unknown gate method {record.method!r}")

@@ -45,6 +45,15 @@ def start(start_kiwid, workdir: Path, **kw: object) -> Kiwid:
     return start_kiwid()
 
 
+def until(k: Kiwid, predicate, timeout: float, what: str):
+    """``wait_for``, with kiwid's log in the failure (what it did instead)."""
+    try:
+        return wait_for(predicate, timeout, what)
+    except BaseException:
+        print(k.log_text()[-6000:])
+        raise
+
+
 def entry(k: Kiwid, key: str) -> dict:
     return next((t for t in k.call("tenants")["tenants"] if t["id"] == key), {})
 
@@ -63,7 +72,7 @@ def test_a_gate_whose_record_cannot_be_written_is_a_failure_never_two_at_once(
     with read_only(workdir / "state"):
         # a's quantum ends: its gate cannot be recorded, so it is not gated, and b,
         # which waits frozen, is not let go beside it.
-        wait_for(lambda: entry(k, a.key).get("state") == "stuck", 10, "a's gate to fail")
+        until(k, lambda: entry(k, a.key).get("state") == "stuck", 30, "a's gate to fail")
         stuck = entry(k, a.key)
         assert stuck["gate_failure"] and "state" in stuck["stuck_reason"]["reason"], stuck
         assert stuck["stuck_reason"]["contained"] is False

@@ -12,6 +12,7 @@ thousands of fsyncs.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,10 @@ from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.gating.swap import SwapError, Swapper, restore_record
 
 log = logging.getLogger("kiwid.recovery")
+
+RETRY_PAUSE_S = 0.5
+"""Between a release's attempts: a checkpoint or restore in flight (a call that
+returned late, a kiwid killed during one) ends in the driver meanwhile."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,9 @@ def release(record: GatedRecord, undo: Undo, note: str = "") -> str | None:
         try:
             undo.ungate(record)
         except GateError as err:
-            if err.answer == "CHECKPOINTED" and attempt < 2:
-                continue  # a checkpoint in flight ended meanwhile: restore it too
+            if attempt < 2:  # a move in flight may have ended meanwhile: once more
+                time.sleep(RETRY_PAUSE_S)
+                continue
             return str(err)
         break
     if record.swapped:

@@ -98,6 +98,18 @@ class Kiwid:
             "sim-attach", {"pid": pid, "gpu": gpu, "memory_bytes": memory, "activity": activity}
         )
 
+    def tenant(self, key: str) -> dict[str, Any]:
+        """One tenant as ``tenants`` lists it (empty: kiwid does not know it, yet)."""
+        return next((t for t in self.call("tenants")["tenants"] if t["id"] == key), {})
+
+    def until(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+        """``wait_for``, with the end of kiwid's log in the failure (what it did instead)."""
+        try:
+            return wait_for(predicate, timeout, what)
+        except BaseException:
+            print(self.log_text()[-6000:])
+            raise
+
     def tenant_states(self) -> dict[str, str]:
         return {t["id"]: t["state"] for t in self.call("tenants")["tenants"]}
 

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.daemon.conftest import DOUBLE_FOREIGN, KIWID, Card, Kiwid, wait_for
+from tests.daemon.conftest import DOUBLE_FOREIGN, KIWID, Card, Kiwid
 from tests.daemon.test_driver_double_e2e import TENANT, config, holder
 from tests.stand_ins import cudadir
 
@@ -31,19 +31,6 @@ def start(start_kiwid, workdir: Path, card: Card, tq: float = 1, timeout: float 
     k = start_kiwid(env=card.double.env())
     k.wait_log("Gate: the CUDA driver's process lock")
     return k
-
-
-def until(k: Kiwid, predicate, timeout: float, what: str):
-    """``wait_for``, with kiwid's log in the failure (what it did instead)."""
-    try:
-        return wait_for(predicate, timeout, what)
-    except BaseException:
-        print(k.log_text()[-6000:])
-        raise
-
-
-def tenant(k: Kiwid, key: str) -> dict:
-    return next((t for t in k.call("tenants")["tenants"] if t["id"] == key), {})
 
 
 def running_tenants(card: Card, tenants: dict) -> list[str]:
@@ -75,14 +62,14 @@ def test_a_swap_out_whose_rollback_fails_keeps_the_host_copy_and_recover_brings_
     double = card.double
     k = start(start_kiwid, workdir, card)
     a = card.arrive("a")
-    until(k, lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
+    k.until(lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
     b = card.arrive("b", TENANT // 2, processes=2)
     first, second = b.pids()
     double.fault(second, "checkpoint", "fail", CUDA_ERROR_OUT_OF_MEMORY, times=100)
     double.fault(first, "restore", "fail", CUDA_ERROR_UNKNOWN, times=100)
     key = card.key(b)
-    until(k, lambda: tenant(k, key).get("state") == "stuck", 15, "b to be stuck")
-    entry = tenant(k, key)
+    k.until(lambda: k.tenant(key).get("state") == "stuck", 15, "b to be stuck")
+    entry = k.tenant(key)
     reason = entry["stuck_reason"]
     assert reason["operation"] == "swap-out", entry
     assert str(second) in reason["reason"] and "CUDA_ERROR_OUT_OF_MEMORY" in reason["reason"]
@@ -93,7 +80,7 @@ def test_a_swap_out_whose_rollback_fails_keeps_the_host_copy_and_recover_brings_
     # The others rotate on while b is stuck; b never runs.
     c = card.arrive("c")
     (c_pid,) = c.pids()
-    until(k, lambda: double.state(c_pid) != cudadir.RUNNING, 10, "c, new, to be gated")
+    k.until(lambda: double.state(c_pid) != cudadir.RUNNING, 10, "c, new, to be gated")
     deadline = time.monotonic() + 6
     turns: set[str] = set()
     while time.monotonic() < deadline:
@@ -121,15 +108,15 @@ def test_a_holder_whose_lock_hangs_is_fenced_and_the_others_rotate(
     double = card.double
     k = start(start_kiwid, workdir, card)
     tenants = {"a": card.arrive("a")}
-    until(k, lambda: holder(k) == card.key(tenants["a"]), 10, "a to hold the GPU")
+    k.until(lambda: holder(k) == card.key(tenants["a"]), 10, "a to hold the GPU")
     (a_pid,) = tenants["a"].pids()
     double.fault(a_pid, "lock", "hang")  # until cleared
     tenants["b"] = card.arrive("b")
     tenants["c"] = card.arrive("c")
     key = card.key(tenants["a"])
-    until(k, lambda: tenant(k, key).get("state") == "stuck", 20, "a to be stuck")
-    assert tenant(k, key)["stuck_reason"]["operation"] == "gate"
-    until(k, lambda: (tenant(k, key).get("stuck_reason") or {}).get("contained"), 10, "a fenced")
+    k.until(lambda: k.tenant(key).get("state") == "stuck", 20, "a to be stuck")
+    assert k.tenant(key)["stuck_reason"]["operation"] == "gate"
+    k.until(lambda: (k.tenant(key).get("stuck_reason") or {}).get("contained"), 10, "a fenced")
     # Fenced (frozen): a makes no progress; b and c take turns, one at a time.
     stalled = tenants["a"].progress()
     progress = {n: tenants[n].progress() for n in ("b", "c")}
@@ -145,7 +132,7 @@ def test_a_holder_whose_lock_hangs_is_fenced_and_the_others_rotate(
     double.clear(a_pid, "lock")
     done = k.ctl("retry", key)
     assert done.returncode == 0, done.stdout + done.stderr
-    until(k, lambda: tenants["a"].progress() > stalled, 20, "a to work again")
+    k.until(lambda: tenants["a"].progress() > stalled, 20, "a to work again")
 
 
 def test_a_checkpoint_that_hangs_makes_its_tenant_stuck_not_everyone_idle(
@@ -155,24 +142,24 @@ def test_a_checkpoint_that_hangs_makes_its_tenant_stuck_not_everyone_idle(
     double = card.double
     k = start(start_kiwid, workdir, card)
     tenants = {"a": card.arrive("a")}
-    until(k, lambda: holder(k) == card.key(tenants["a"]), 10, "a to hold the GPU")
+    k.until(lambda: holder(k) == card.key(tenants["a"]), 10, "a to hold the GPU")
     tenants["b"] = card.arrive("b")
     (b_pid,) = tenants["b"].pids()
-    until(k, lambda: double.state(b_pid) == cudadir.CHECKPOINTED, 10, "b in host RAM")
+    k.until(lambda: double.state(b_pid) == cudadir.CHECKPOINTED, 10, "b in host RAM")
     (a_pid,) = tenants["a"].pids()
     double.fault(a_pid, "checkpoint", "hang")
     key = card.key(tenants["a"])
-    until(k, lambda: tenant(k, key).get("state") == "stuck", 30, "a to be stuck")
-    assert tenant(k, key)["stuck_reason"]["operation"] == "swap-out"
+    k.until(lambda: k.tenant(key).get("state") == "stuck", 30, "a to be stuck")
+    assert k.tenant(key)["stuck_reason"]["operation"] == "swap-out"
     # b runs on; a never does.
     before = tenants["b"].progress()
-    until(k, lambda: tenants["b"].progress() > before, 20, "b to run")
+    k.until(lambda: tenants["b"].progress() > before, 20, "b to run")
     assert "a" not in running_tenants(card, tenants)
     double.clear(a_pid, "checkpoint")  # the operator mends the driver: the call returns
     k.wait_log("that ran past its deadline returned", 20)
     release = k.ctl("release", key)
     assert release.returncode == 0, release.stdout + release.stderr
-    assert tenant(k, key)["state"] == "released"
+    assert k.tenant(key)["state"] == "released"
 
 
 def test_an_ungate_the_driver_refuses_makes_the_tenant_stuck_not_the_holder(
@@ -184,20 +171,20 @@ def test_an_ungate_the_driver_refuses_makes_the_tenant_stuck_not_the_holder(
     double.set_foreign(0)
     k = start(start_kiwid, workdir, card)
     a = card.arrive("a")
-    until(k, lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
+    k.until(lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
     b = card.arrive("b")
     (b_pid,) = b.pids()
-    until(k, lambda: double.state(b_pid) != cudadir.RUNNING, 10, "b to be gated")
+    k.until(lambda: double.state(b_pid) != cudadir.RUNNING, 10, "b to be gated")
     double.fault(b_pid, "unlock", "fail", CUDA_ERROR_UNKNOWN, times=1000)
     key = card.key(b)
-    until(k, lambda: tenant(k, key).get("state") == "stuck", 20, "b to be stuck")
-    entry = tenant(k, key)
+    k.until(lambda: k.tenant(key).get("state") == "stuck", 20, "b to be stuck")
+    entry = k.tenant(key)
     assert entry["stuck_reason"]["operation"] == "ungate", entry
     assert "CUDA_ERROR_UNKNOWN" in (entry["stuck_reason"]["answer"] or ""), entry
     assert holder(k) != key
     quanta = entry["ledger"]["quanta"]
-    until(k, lambda: holder(k) == card.key(a), 10, "a to hold again")
-    assert tenant(k, key)["ledger"]["quanta"] == quanta, "no quantum counted while stuck"
+    k.until(lambda: holder(k) == card.key(a), 10, "a to hold again")
+    assert k.tenant(key)["ledger"]["quanta"] == quanta, "no quantum counted while stuck"
     double.clear(b_pid, "unlock")
 
 
@@ -211,19 +198,19 @@ def test_a_waiting_tenants_new_process_is_locked_too(
     k = start_kiwid(env=double.env())
     k.wait_log("Gate: the CUDA driver's process lock")
     b = card.arrive("b")
-    until(k, lambda: holder(k) == card.key(b), 10, "b to hold the GPU")
+    k.until(lambda: holder(k) == card.key(b), 10, "b to hold the GPU")
     # Two processes now, a third (a new context) 3 s after the start.
     a = card.arrive("a", TENANT // 2, processes=2, spawn_later=3)
     first = a.pids()
-    until(k, lambda: k.tenant_states().get(card.key(a)) == "waiting", 10, "a to wait")
-    until(k, lambda: double.state(first[0]) == cudadir.CHECKPOINTED, 10, "a in host RAM")
-    until(k, lambda: len(a.pids()) == 3, 10, "a's new process")
+    k.until(lambda: k.tenant_states().get(card.key(a)) == "waiting", 10, "a to wait")
+    k.until(lambda: double.state(first[0]) == cudadir.CHECKPOINTED, 10, "a in host RAM")
+    k.until(lambda: len(a.pids()) == 3, 10, "a's new process")
     assert holder(k) == card.key(b), "a got its turn before its new process came"
 
     def running() -> list[int]:
         return [p for p in a.pids() if double.state(p) == cudadir.RUNNING]
 
-    until(k, lambda: not running(), 5, "a's new process to be locked")
+    k.until(lambda: not running(), 5, "a's new process to be locked")
     assert holder(k) == card.key(b)
     deadline = time.monotonic() + 2
     while time.monotonic() < deadline:  # and it stays locked while b holds

@@ -45,19 +45,6 @@ def start(start_kiwid, workdir: Path, **kw: object) -> Kiwid:
     return start_kiwid()
 
 
-def until(k: Kiwid, predicate, timeout: float, what: str):
-    """``wait_for``, with kiwid's log in the failure (what it did instead)."""
-    try:
-        return wait_for(predicate, timeout, what)
-    except BaseException:
-        print(k.log_text()[-6000:])
-        raise
-
-
-def entry(k: Kiwid, key: str) -> dict:
-    return next((t for t in k.call("tenants")["tenants"] if t["id"] == key), {})
-
-
 def test_a_gate_whose_record_cannot_be_written_is_a_failure_never_two_at_once(
     start_kiwid, tenants, workdir
 ) -> None:
@@ -72,8 +59,8 @@ def test_a_gate_whose_record_cannot_be_written_is_a_failure_never_two_at_once(
     with read_only(workdir / "state"):
         # a's quantum ends: its gate cannot be recorded, so it is not gated, and b,
         # which waits frozen, is not let go beside it.
-        until(k, lambda: entry(k, a.key).get("state") == "stuck", 30, "a's gate to fail")
-        stuck = entry(k, a.key)
+        k.until(lambda: k.tenant(a.key).get("state") == "stuck", 30, "a's gate to fail")
+        stuck = k.tenant(a.key)
         assert stuck["gate_failure"] and "state" in stuck["stuck_reason"]["reason"], stuck
         assert stuck["stuck_reason"]["contained"] is False
         assert k.status()["gpus"][0]["blocked_by"] == a.key
@@ -83,7 +70,7 @@ def test_a_gate_whose_record_cannot_be_written_is_a_failure_never_two_at_once(
             assert not a.frozen()
             time.sleep(0.05)
     # /run is writable again: a's gate is tried again, and the rotation resumes.
-    wait_for(lambda: entry(k, a.key).get("state") != "stuck", 10, "a's gate to take")
+    wait_for(lambda: k.tenant(a.key).get("state") != "stuck", 10, "a's gate to take")
     wait_for(lambda: not b.frozen() and a.frozen(), 10, "b's turn")
     wait_for(lambda: not a.frozen() and b.frozen(), 10, "a's turn")
 
@@ -100,8 +87,8 @@ def test_a_thaw_the_kernel_refuses_makes_the_tenant_stuck_not_a_frozen_holder(
     k.attach(b.pid, memory=GiB)
     wait_for(b.frozen, 5, "b to wait, frozen")
     with read_only(b.v2 / "cgroup.freeze"):
-        wait_for(lambda: entry(k, b.key).get("state") == "stuck", 10, "b's thaw to fail")
-        stuck = entry(k, b.key)
+        wait_for(lambda: k.tenant(b.key).get("state") == "stuck", 10, "b's thaw to fail")
+        stuck = k.tenant(b.key)
         assert stuck["stuck_reason"]["operation"] == "ungate", stuck
         assert stuck["gated"] and b.frozen()
         assert holder(k) != b.key

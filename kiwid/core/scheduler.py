@@ -364,8 +364,10 @@ class Scheduler:
     def _gated(self, tid: TenantId, now: float) -> set[GpuId]:
         """A gate took: the tenant no longer runs (and a loose stuck one is mended)."""
         tenant = self._t.tenants.get(tid)
-        if tenant is None or not tenant.answer_gate():
-            return set()  # stale, or superseded by a later let-go
+        if tenant is None:
+            return set()
+        if not tenant.answer_gate():  # stale, or superseded by a later let-go
+            return set(tenant.gpus)  # it may no longer be in the way of anyone
         answered = tenant.gates_done == tenant.gates_asked
         if tenant.state is S.STUCK and tenant.loose and tenant.gated and answered:
             self._t.set_state(tenant, Trigger.GATE_MENDED, now)
@@ -379,7 +381,7 @@ class Scheduler:
         if tenant is None:
             return set()
         if event.operation == "gate" and not tenant.answer_gate():
-            return set()  # a gate it no longer needs (let go since) failed: no matter
+            return set(tenant.gpus)  # a gate it no longer needs (let go since) failed
         fault = Fault(event.operation, event.reason, now, event.contained, event.pid, event.answer)
         self._t.fault(tenant, fault, event.memory, now)
         return set(tenant.gpus)

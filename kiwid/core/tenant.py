@@ -180,6 +180,8 @@ class TenantRecord:
         with a gate that did not take. Released tenants run too, on an operator's word,
         and are not counted: they keep nobody off a GPU.
         """
+        if self.state is S.IDLE or self.state is S.RELEASED:
+            return False  # no burst: it competes for no GPU time (it is gated at its next)
         return self.running or self.gate_pending or self.loose
 
     def set_policy(self, policy: TenantPolicy) -> None:

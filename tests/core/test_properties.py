@@ -158,6 +158,10 @@ class Run:
             before = self.sched.view(self.now)
             self.note(event)
             actions = self.sched.handle(event, self.now)
+            stuck = self.sched.tenant_state(getattr(event, "tenant", "")) is S.STUCK
+            if isinstance(event, TenantFaulted) and stuck:
+                # A fault the core took (not the late answer to a gate it let go since).
+                (self.gated.add if event.contained else self.gated.discard)(event.tenant)
             if isinstance(event, TenantFaulted | Released) and (
                 self.sched.tenant_state(event.tenant) is S.STUCK
             ):
@@ -244,10 +248,8 @@ class Run:
             self.feed(ReleaseAsked(tenant))
 
     def note(self, event: Event) -> None:
-        """What the core should believe gated once ``event`` is in."""
-        if isinstance(event, TenantFaulted):
-            (self.gated.add if event.contained else self.gated.discard)(event.tenant)
-        elif isinstance(event, Mended):
+        """What the core should believe gated once ``event`` is in (a fault: see ``feed``)."""
+        if isinstance(event, Mended):
             self.gated.add(event.tenant)
         elif isinstance(event, Released) and event.complete:
             self.gated.discard(event.tenant)
@@ -294,7 +296,9 @@ class Run:
             if t.state is S.WAITING:
                 assert t.gated, f"{t.tenant} waits ungated"
             if t.state is S.STUCK:
-                assert t.fault is not None and t.gated == t.fault.contained
+                assert t.fault is not None
+                # Gated as it is contained, or (not contained) while its gate is tried again.
+                assert t.gated == t.fault.contained or (t.gated and t.gate_pending), t
             else:
                 assert t.fault is None
         # One holder per gating GPU; never a holder on a GPU a loose tenant keeps.
@@ -312,11 +316,19 @@ class Run:
         assert isinstance(before, type(view))
         states_now = {t.tenant: t.state for t in view.tenants}
         was_waiting = {t.tenant for t in before.tenants if t.state is S.WAITING}
+        gpus_now = {t.tenant: t.gpus for t in view.tenants}
+        rank = {t.tenant: (t.boosted, t.policy.priority) for t in view.tenants}
         for gpu in before.gpus:
             order = [w.tenant for w in gpu.waiters]
             for i, tenant in enumerate(order):
                 if tenant in was_waiting and states_now.get(tenant) is S.HOLDER:
-                    ahead = [a for a in order[:i] if states_now.get(a) is S.WAITING]
+                    ahead = [
+                        a
+                        for a in order[:i]
+                        if states_now.get(a) is S.WAITING  # and still on a GPU it wants,
+                        and gpus_now.get(a, frozenset()) & gpus_now.get(tenant, frozenset())
+                        and rank[a] >= rank[tenant]  # in a class as high (FIFO is per class)
+                    ]
                     assert not ahead, f"{tenant} overtook {ahead} on GPU {gpu.gpu}"
         # The ledger accounts for every second since a tenant appeared.
         for t in view.tenants:

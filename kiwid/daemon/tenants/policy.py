@@ -1,15 +1,18 @@
-"""Each tenant's weight, priority, TQ and swap policy: rules, annotations, kiwictl.
+"""Each tenant's weight, priority, TQ, swap and memory: rules, annotations, kiwictl.
 
 Precedence, documented in docs/scheduling.md:
 
 1. a runtime ``kiwictl set-weight`` / ``set-priority`` (until the next reload or
    restart, like ``-T``);
-2. the pod's ``kiwi.io/weight`` / ``kiwi.io/priority`` annotations (kiwi-hook passes
-   them), capped by the matching rule's ``max_weight`` / ``max_priority`` — by
-   default the rule's own value, so a pod may lower itself but never raise itself
-   above what the operator allows;
+2. the pod's ``kiwi.io/weight`` / ``kiwi.io/priority`` / ``kiwi.io/gpu-memory``
+   annotations (kiwi-hook passes them; a client's own ``register`` may declare
+   ``memory_bytes`` too), capped by the matching rule's ``max_weight`` /
+   ``max_priority`` / ``max_memory`` — by default the rule's own value, so a pod may
+   lower itself but never raise itself above what the operator allows (a rule
+   without ``memory`` nor ``max_memory`` bounds no declaration);
 3. the first ``[[tenants]]`` rule that matches the tenant;
-4. the defaults: weight 1, priority 0, the GPU's TQ, swap as ``memory.swap`` says.
+4. the defaults: weight 1, priority 0, the GPU's TQ, swap as ``memory.swap`` says,
+   no declared memory.
 
 :class:`PolicyBook` owns what was resolved and sent to the scheduler; it resolves
 a tenant again only when its identity, the rules or the runtime values changed.
@@ -41,6 +44,9 @@ class Resolved:
     ``rule N`` or ``default``."""
     capped: tuple[str, ...] = ()
     """Annotations that asked for more than the rule allows, and were capped."""
+    declared_source: str | None = None
+    """Where ``policy.memory_bytes`` came from: ``annotation``, ``register`` or
+    ``rule N`` (``None``: nothing declared)."""
 
     def as_json(self) -> dict[str, object]:
         """The ``policy`` object of a tenant in the status."""
@@ -108,6 +114,12 @@ def resolve(
         cap_p = rule.max_priority if rule.max_priority is not None else priority
         capped += ["priority"] if ident.requested_priority > cap_p else []
         priority, sources["priority"] = min(ident.requested_priority, cap_p), "annotation"
+    memory, declared_source = rule.memory, where if rule.memory is not None else None
+    if ident.requested_memory is not None:
+        cap_m = rule.max_memory if rule.max_memory is not None else rule.memory
+        capped += ["memory"] if cap_m is not None and ident.requested_memory > cap_m else []
+        memory = ident.requested_memory if cap_m is None else min(ident.requested_memory, cap_m)
+        declared_source = ident.memory_source or "register"
     runtime = runtime or {}
     if "weight" in runtime:
         weight, sources["weight"] = float(runtime["weight"]), "runtime"
@@ -118,8 +130,9 @@ def resolve(
         priority=priority,
         tq_s=rule.tq,
         swap=TenantSwap(rule.swap) if rule.swap is not None else TenantSwap.ALLOW,
+        memory_bytes=memory,
     )
-    return Resolved(policy, index, sources, tuple(capped))
+    return Resolved(policy, index, sources, tuple(capped), declared_source)
 
 
 @dataclass

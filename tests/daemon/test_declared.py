@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kiwid.config.schema import TenantMatch, TenantRule
-from kiwid.daemon.tenants.policy import resolve
-from kiwid.daemon.tenants.tracker import Identity
+from kiwid.daemon.tenants.policy import PolicyBook, resolve
+from kiwid.daemon.tenants.tracker import Identity, TenantInfo
 
 Gi = 2**30
 POD = Identity("cgroup:/kubepods/x", "cgroup", "train", pod="train-1", namespace="ml")
@@ -53,3 +53,22 @@ def test_without_max_memory_the_rules_own_memory_caps_a_declaration() -> None:
 def test_a_clients_own_register_is_named_so_and_capped_alike() -> None:
     assert declared(asks(30 * Gi, source="register")) == (30 * Gi, "register", ())
     assert declared(asks(90 * Gi, source="register")) == (64 * Gi, "register", ("memory",))
+
+
+def test_a_tenant_past_its_declaration_is_told_once_and_forgotten_when_it_leaves() -> None:
+    book = PolicyBook(rules=RULES)
+    info = TenantInfo(POD, pids={1}, gpus=frozenset({"0"}), footprint={"0": 30 * Gi})
+    tenants = {POD.key: info}
+    book.events(tenants)
+    assert book.overruns(tenants) == []  # 30 GiB of the 40 its rule declares
+    info.footprint["0"] = 52 * Gi
+    (line,) = book.overruns(tenants)
+    assert line == (
+        f"Tenant train ({POD.key}) uses 52 GiB on GPU 0, more than the 40 GiB it declared "
+        "(rule 1): it is sized by what it uses"
+    )
+    info.footprint["0"] = 60 * Gi
+    assert book.overruns(tenants) == []  # once
+    assert book.overruns({}) == []  # it left
+    book.events(tenants)
+    assert len(book.overruns(tenants)) == 1  # a new run of it is told again

@@ -14,6 +14,7 @@ import pytest
 
 from kiwid.adapters.control import ControlError
 from tests.daemon.conftest import V2_ROOT, Kiwid, wait_for
+from tests.daemon.test_metrics_e2e import free_port, scrape
 from tests.daemon.test_swap_e2e import holder, sim_memory, swap_config
 
 GiB = 2**30
@@ -124,3 +125,39 @@ def test_a_declaration_larger_than_the_card_is_refused_and_changes_nothing(
     assert k.tenant_states() == {}  # nothing registered, nothing gated
     assert not c.frozen()
     assert register(k, c, "c0", memory_bytes=9 * GiB)["tenant"] == c.key  # exactly fits
+
+
+def test_a_tenant_growing_past_its_declaration_is_told_once_in_the_log_explain_and_metrics(
+    start_kiwid, tenants, workdir: Path
+) -> None:
+    port = free_port()
+    config = swap_config(workdir) + f'[metrics]\nlisten = "127.0.0.1:{port}"\n'
+    (workdir / "kiwi.toml").write_text(config)
+    k = start_kiwid()
+    t = tenants("grower")
+    register(k, t, "g0", name="grower", memory_bytes=2 * GiB, memory_source="annotation")
+    k.attach(t.pid, memory=GiB)
+    wait_for(lambda: entry(k, t.key)["peak_bytes"] == GiB, 5, "its first footprint")
+    out = k.ctl("explain", t.key)
+    assert "It declared 2 GiB of GPU memory per GPU (its pod's annotation" in out.stdout
+    assert "uses 1 GiB at most so far" in out.stdout
+    overrun = "more than the 2 GiB it declared (annotation): it is sized by what it uses"
+    assert overrun not in k.log_text()
+
+    k.attach(t.pid, memory=3 * GiB)  # it allocates more than it declared
+    wait_for(lambda: entry(k, t.key)["peak_bytes"] == 3 * GiB, 5, "it to grow")
+    out = k.ctl("explain", t.key)
+    assert "It declared 2 GiB, uses 3 GiB: more than it declared" in out.stdout, out.stdout
+    labels = {"tenant": t.key, "name": "grower", "pod": "", "namespace": "", "gpu": "0"}
+
+    def sizes() -> tuple[float, float] | None:
+        families = scrape(port)
+        used = [s.value for s in families["kiwi_tenant_footprint_bytes"] if s.labels == labels]
+        told = [s.value for s in families["kiwi_tenant_declared_bytes"] if s.labels == labels]
+        return (used[0], told[0]) if used and told and used[0] == 3 * GiB else None
+
+    assert wait_for(sizes, 5, "the metrics to show it") == (3 * GiB, 2 * GiB)
+    k.wait_log(f"Tenant grower ({t.key}) uses 3 GiB on GPU 0, {overrun}")
+    k.attach(t.pid, memory=4 * GiB)  # and more: it was told already
+    wait_for(lambda: entry(k, t.key)["peak_bytes"] == 4 * GiB, 5, "it to grow again")
+    assert k.log_text().count(overrun) == 1

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from kiwid.config.schema import TenantMatch, TenantRule
 from kiwid.core.events import TenantPolicySet
 from kiwid.core.model import TenantPolicy, TenantSwap
+from kiwid.core.quantity import shown_bytes
 from kiwid.daemon.tenants.tracker import Identity, TenantInfo
 
 DEFAULT = TenantPolicy()
@@ -145,6 +146,8 @@ class PolicyBook:
     resolved: dict[str, Resolved] = field(default_factory=dict)
     _seen: dict[str, tuple[Identity, int]] = field(default_factory=dict)
     _version: int = 0
+    _overran: set[str] = field(default_factory=set)
+    """Tenants already told to have used more than they declared (once each)."""
 
     def reload(self, rules: tuple[TenantRule, ...]) -> None:
         """New rules from the file; runtime values end (the file is the persistent truth)."""
@@ -178,3 +181,32 @@ class PolicyBook:
             if (before.policy if before else DEFAULT) != resolved.policy:
                 out.append(TenantPolicySet(key, resolved.policy))
         return out
+
+    def overruns(self, tenants: Mapping[str, TenantInfo]) -> list[str]:
+        """Say, once per tenant, that it uses more GPU memory than it declared.
+
+        Nothing stops it (Kiwi caps nothing at run time); the scheduler sizes it by
+        the larger value from now on. A tenant that leaves is forgotten.
+        """
+        self._overran &= set(tenants)
+        lines: list[str] = []
+        for key, info in tenants.items():
+            resolved = self.resolved.get(key)
+            if resolved is None or key in self._overran:
+                continue
+            declared = resolved.policy.memory_bytes
+            over = [
+                (gpu, used)
+                for gpu, used in sorted(info.footprint.items())
+                if used is not None and declared is not None and used > declared
+            ]
+            if not over or declared is None:
+                continue
+            self._overran.add(key)
+            gpu, used = over[0]
+            lines.append(
+                f"Tenant {info.identity.name} ({key}) uses {shown_bytes(used)} on GPU {gpu}, "
+                f"more than the {shown_bytes(declared)} it declared "
+                f"({resolved.declared_source or 'register'}): it is sized by what it uses"
+            )
+        return lines

@@ -84,6 +84,20 @@ def test_the_largest_of_declared_seen_and_remembered_sizes_a_tenant() -> None:
     assert size(None, peak=7 * GiB) == 7 * GiB
 
 
+sizes = st.integers(0, 200 * GiB)
+
+
+@given(declared=st.one_of(st.none(), st.integers(1, 200 * GiB)), peak=sizes, seen=sizes, kept=sizes)
+def test_a_declaration_never_shrinks_a_known_footprint(
+    declared: int | None, peak: int, seen: int, kept: int
+) -> None:
+    record = TenantRecord("t", frozenset({"0"}), 0, remembered=kept, known=True)
+    record.set_policy(TenantPolicy(memory_bytes=declared))
+    record.peak["0"], record.footprint["0"] = peak, seen
+    assert record.size("0") == max(peak, seen, kept, declared or 0)
+    assert record.held("0") == max(peak, seen, kept)  # what a swap-out moves
+
+
 def auto_card(*declared: int | None) -> Scheduler:
     """An ``auto`` 80 GiB card with tenants showing 10 GiB each, all bursting."""
     policy = GpuPolicy(mode=Mode.AUTO, capacity_bytes=80 * GiB, reserve_bytes=GiB)

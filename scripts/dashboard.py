@@ -224,6 +224,17 @@ def build() -> dashboard.Dashboard:
         )
         .with_panel(
             series(
+                "GPU memory used and declared, per tenant",
+                "bytes",
+                query(f"kiwi_tenant_footprint_bytes{{{ON}}}", "{{name}} uses (GPU {{gpu}})"),
+                query(f"kiwi_tenant_declared_bytes{{{ON}}}", "{{name}} declared (GPU {{gpu}})"),
+                text="What each tenant uses beside what it declared it needs "
+                "(kiwi.io/gpu-memory, register or its rule's memory): one above its "
+                "declaration grew past it, and is sized by what it uses (docs/memory.md).",
+            )
+        )
+        .with_panel(
+            series(
                 "GPU memory on the card",
                 "bytes",
                 query(f"kiwi_gpu_memory_resident_bytes{{{ON}}}", "resident, GPU {{gpu}}"),

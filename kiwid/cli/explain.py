@@ -17,6 +17,7 @@ from typing import Any
 from kiwid.adapters.control import request
 from kiwid.cli.fault_text import blocked_sentence, released_sentence, stuck_sentence
 from kiwid.cli.lookup import AmbiguousTenant, TenantNotFound, collect_tenants, find_tenant
+from kiwid.cli.memory_text import declared_sentence, remembered_sentence
 from kiwid.cli.policy_text import policy_sentence, preemption_sentence, rank_label
 from kiwid.cli.words import format_bytes, format_duration, plural, tenant_label
 
@@ -41,6 +42,7 @@ _TENANT_KEYS = (
     *("id", "name", "kind", "container_id", "pod", "namespace", "state", "pids"),
     *("policy", "quantum_s", "share", "boosted", "last_preemption", "waiting_for"),
     *("swap_refusal", "workload", "remembered_bytes", "stuck_reason", "released"),
+    *("declared_bytes", "declared_source", "peak_bytes"),
 )
 
 
@@ -310,12 +312,7 @@ def explain_text(facts: Json) -> str:
             parts.append(f"It is not let go yet: {t['waiting_for']}.")
         if t.get("swap_refusal"):
             parts.append(f"Its memory stays on the card: {t['swap_refusal']}.")
-        if t.get("remembered_bytes"):
-            gib = t["remembered_bytes"] / 2**30
-            parts.append(
-                f"Its workload ran here before ({t.get('workload')}): it is sized from that "
-                f"run's {gib:.1f} GiB, not given the whole card as a newcomer."
-            )
+        parts += [p for p in (declared_sentence(t), remembered_sentence(t)) if p]
         tq = facts["gpus"][0]["tq"] if facts["gpus"] else None
         parts += [p for p in (policy_sentence(t, tq), preemption_sentence(t)) if p]
     ledger = ledger_text(facts.get("ledger"), facts.get("uptime_s"))

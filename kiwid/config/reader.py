@@ -124,7 +124,9 @@ class Reader:
                 self.problem(f"{dotted} = {show_value(value)}: {objection}")
             elif kind_ok and rule.accepts(value):
                 stored = value
-                if rule.kind is float:
+                if rule.convert is not None:
+                    stored = rule.convert(value)
+                elif rule.kind is float:
                     stored = float(value)
                 elif rule.kind is list:
                     stored = tuple(value)  # frozen settings stay hashable

@@ -26,6 +26,7 @@ from kiwid.config.schema import (
     ServiceLimits,
 )
 from kiwid.core.model import TenantPolicy
+from kiwid.core.quantity import MEMORY_RANGE, QuantityError, declared_bytes
 
 SOCKET_PATH_MAX_BYTES = 107
 """The longest Unix socket path, in bytes: ``sun_path`` is 108 including the NUL."""
@@ -42,12 +43,15 @@ class Rule:
     """How one TOML value is checked, and which dataclass field it fills."""
 
     attr: str
-    kind: type[int] | type[float] | type[str] | type[list[Any]]  # float accepts ints too
+    kind: type[int] | type[float] | type[str] | type[list[Any]] | tuple[type, ...]
+    """Its TOML type (float accepts ints too); a tuple: any of them."""
     expects: str  # completes "must be ..."
     accepts: Callable[[Any], bool]
     objects: Callable[[Any], str | None] = _no_objection
     """Asked first, for a value of the right kind: the whole reason it is refused
     (``"must not ..."``), or ``None`` to go on to ``accepts``."""
+    convert: Callable[[Any], Any] | None = None
+    """What an accepted value is stored as (``None``: as its kind says)."""
 
 
 def _above_zero(attr: str, unit: str) -> Rule:
@@ -214,6 +218,26 @@ def _priority(attr: str) -> Rule:
     )
 
 
+def _memory(attr: str) -> Rule:
+    """GPU memory per GPU: a Kubernetes quantity (``"40Gi"``) or bytes, as the core reads it."""
+    return Rule(
+        attr,
+        (str, int),
+        MEMORY_RANGE,
+        lambda v: True,  # what objects() let through is a declaration
+        _memory_objection,
+        convert=declared_bytes,
+    )
+
+
+def _memory_objection(value: str | int) -> str | None:
+    try:
+        declared_bytes(value)
+    except QuantityError as err:
+        return f"must be {MEMORY_RANGE}: {err}"
+    return None
+
+
 TENANT_RULES = {
     "weight": _weight("weight"),
     "priority": _priority("priority"),
@@ -221,6 +245,8 @@ TENANT_RULES = {
     "swap": _choice("swap", TENANT_SWAPS),
     "max_weight": _weight("max_weight"),
     "max_priority": _priority("max_priority"),
+    "memory": _memory("memory"),
+    "max_memory": _memory("max_memory"),
 }
 SECTIONS = (
     "scheduler",
@@ -244,11 +270,14 @@ def _host_port(value: str) -> bool:
     return ":" not in host
 
 
-def has_kind(value: object, kind: type) -> bool:
-    """Whether ``value`` has TOML type ``kind``; a bool is no number, an int is a float.
+def has_kind(value: object, kind: type | tuple[type, ...]) -> bool:
+    """Whether ``value`` has TOML type ``kind`` (or one of them, for a tuple).
 
-    An integer beyond 64 bits is no TOML integer (and may not fit in a float).
+    A bool is no number, an int is a float. An integer beyond 64 bits is no TOML
+    integer (and may not fit in a float).
     """
+    if isinstance(kind, tuple):
+        return any(has_kind(value, one) for one in kind)
     if isinstance(value, int) and value not in _INT64:
         return False
     wanted = (int, float) if kind is float else kind

@@ -397,6 +397,14 @@ class TenantRule:
     """The most a pod's ``kiwi.io/weight`` annotation may ask (``None``: the rule's weight)."""
     max_priority: int | None = None
     """The most a pod's ``kiwi.io/priority`` may ask (``None``: the rule's priority)."""
+    memory: int | None = None
+    """The GPU memory its tenants need on each of their GPUs, in bytes (written as a
+    Kubernetes quantity, ``"40Gi"``, or bytes): their first turn makes room for that
+    much, not the whole card. ``None``: none declared, unless the pod's
+    ``kiwi.io/gpu-memory`` (within ``max_memory``) or ``register`` declares it."""
+    max_memory: int | None = None
+    """The most a pod's ``kiwi.io/gpu-memory`` (or ``register``'s ``memory_bytes``) may
+    declare, in bytes (``None``: the rule's ``memory``, or no bound without one)."""
 
 
 @dataclass(frozen=True)

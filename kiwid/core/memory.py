@@ -39,16 +39,22 @@ def occupied(members: Iterable[TenantRecord], gpu: GpuId, exclude: TenantRecord 
 def wants_whole_card(tenant: TenantRecord, policy: GpuPolicy) -> bool:
     """Whether ``tenant`` gets the card to itself on its turn: a newcomer, by policy.
 
-    A tenant whose working set nobody knows (it never held the GPU and its workload
-    never ran before) has shown only what it allocated while it waited; once let go
-    it may take everything, so by default (``newcomer = "whole-card"``) every other
-    tenant's memory leaves first.
+    A tenant whose working set nobody knows (it never held the GPU, its workload
+    never ran before and it declared nothing) has shown only what it allocated while
+    it waited; once let go it may take everything, so by default (``newcomer =
+    "whole-card"``) every other tenant's memory leaves first. One that declared its
+    memory needs that much: only the tenants that must go to make room for it go.
     """
-    return not tenant.known and policy.newcomer is Newcomer.WHOLE_CARD
+    return not tenant.sized and policy.newcomer is Newcomer.WHOLE_CARD
 
 
 def need(tenant: TenantRecord, gpu: GpuId, policy: GpuPolicy) -> int:
-    """What ``tenant`` needs on ``gpu``: its known size, or the whole card (a newcomer)."""
+    """What ``tenant`` needs on ``gpu``: its size, or the whole card (a newcomer).
+
+    Its size is the largest of what it was seen using, what its workload used and
+    what it declared; only a newcomer nobody knows that declared nothing gets the
+    whole card (by policy).
+    """
     return room(policy) if wants_whole_card(tenant, policy) else tenant.size(gpu)
 
 

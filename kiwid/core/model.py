@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kiwid.core.quantity import QuantityError, declared_bytes
+
 GpuId = str
 """A GPU as the scheduler knows it: its index as a decimal string ("0", "1", ...)."""
 
@@ -71,6 +73,9 @@ class TenantPolicy:
             classes wait while a higher one bursts.
         tq_s: Its own TQ in seconds (``None``: the GPU's).
         swap: Whether its memory may go to host RAM.
+        memory_bytes: The GPU memory it declared it needs on each of its GPUs (bytes;
+            ``None``: none declared). Its first turn is sized by it, and it is never
+            sized below it; a larger footprint, seen or remembered, wins.
     """
 
     MIN_WEIGHT: ClassVar[float] = 0.01
@@ -87,6 +92,18 @@ class TenantPolicy:
     priority: int = 0
     tq_s: float | None = None
     swap: TenantSwap = TenantSwap.ALLOW
+    memory_bytes: int | None = None
+
+    @staticmethod
+    def memory_refusal(memory: object) -> str | None:
+        """Why ``memory`` cannot be a tenant's declaration in bytes; ``None`` if it can."""
+        if not isinstance(memory, int) or isinstance(memory, bool):
+            return f"memory_bytes must be an integer number of bytes, not {memory!r}"
+        try:
+            declared_bytes(memory)
+        except QuantityError as err:
+            return f"memory_bytes {memory}: {err}"
+        return None
 
     @staticmethod
     def weight_refusal(weight: object) -> str | None:
@@ -114,10 +131,12 @@ class TenantPolicy:
         """Reject values the scheduler cannot honour.
 
         Raises:
-            ValueError: a weight or priority out of range, or a TQ that is not a
-                finite number > 0.
+            ValueError: a weight or priority out of range, a TQ that is not a finite
+                number > 0, or a memory declaration of no bytes.
         """
         refusal = self.weight_refusal(self.weight) or self.priority_refusal(self.priority)
+        if refusal is None and self.memory_bytes is not None:
+            refusal = self.memory_refusal(self.memory_bytes)
         if refusal is not None:
             raise ValueError(refusal)
         if self.tq_s is not None and not 0 < self.tq_s < float("inf"):

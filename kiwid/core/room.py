@@ -219,9 +219,9 @@ def _make_room(
 def _floor_refusal(table: TenantTable, t: TenantRecord) -> str | None:
     """Refuse (and say why) a swap-out that would leave host RAM below the floor."""
     leaving = sum(
-        o.size(g) for o in table.tenants.values() if o.residency is R.SWAPPING_OUT for g in o.gpus
+        o.held(g) for o in table.tenants.values() if o.residency is R.SWAPPING_OUT for g in o.gpus
     )
-    why = table.host.refusal(sum(t.size(g) for g in t.gpus), leaving)
+    why = table.host.refusal(sum(t.held(g) for g in t.gpus), leaving)
     if why is not None and why != t.swap_refusal:
         t.swap_refusal = why
         table.notices.append((t.id, f"its memory stays on the GPU, gated: {why}"))
@@ -233,7 +233,7 @@ def swap_out(table: TenantTable, t: TenantRecord, actions: list[Action]) -> None
     if _floor_refusal(table, t) is not None:
         return
     t.residency = move(t.residency, Move.SWAP_OUT)
-    actions.append(SwapOut(t.id, tuple((g, t.size(g)) for g in sorted(t.gpus))))
+    actions.append(SwapOut(t.id, tuple((g, t.held(g)) for g in sorted(t.gpus))))
 
 
 # ---------------------------------------------------------------- hand-overs
@@ -272,7 +272,7 @@ def prefetch(
         if used + nxt.size(gpu) > memory.room(policy):
             return None
         rate = table.restore_rate.get(gpu, DEFAULT_RESTORE_BYTES_PER_S)
-        seconds = max(seconds, nxt.size(gpu) / rate + PREFETCH_MARGIN_S)
+        seconds = max(seconds, nxt.held(gpu) / rate + PREFETCH_MARGIN_S)
     if free_short(table, nxt, nxt.gpus & gating) is not None:
         return None
     return nxt, due - seconds
@@ -320,7 +320,8 @@ def _arriving(table: TenantTable, nxt: TenantRecord, gating: frozenset[GpuId]) -
 
 
 def _may_return(table: TenantTable, t: TenantRecord) -> bool:
-    return t.known and t.retry_at <= table.now and t.adopting_until <= table.now
+    """Whether ``t`` may come back ahead of its turn: its size is known or declared."""
+    return t.sized and t.retry_at <= table.now and t.adopting_until <= table.now
 
 
 # ---------------------------------------------------------------- steps 6 and 7 of a pass

@@ -23,7 +23,8 @@ The rules live in :mod:`kiwid.core.rotation`, the tables in :mod:`kiwid.core.tab
 Memory (:mod:`kiwid.core.residency`, :mod:`kiwid.core.memory`): a granted holder
 is let go only once its memory is on the card, and (if it needs room) once the
 tenants making room for it have left; its quantum starts then. A tenant that
-never held the GPU needs the whole card, a known one the peak it used before.
+never held the GPU needs the whole card, one that declared its memory what it
+declared, a known one the peak it used before (the largest of these).
 Resident non-holders are swapped out, least recently run first, to make room; a
 restore is asked for only when it fits beside everything on the card or moving.
 With ``checkpoint`` every other waiter's memory goes to host RAM too, once the new

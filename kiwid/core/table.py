@@ -138,7 +138,8 @@ class TenantTable:
             for tid in self.by_gpu.get(gpu, ()):
                 t = self.tenants[tid]
                 if t.bursting or t is extra:
-                    demand += t.footprint.get(gpu) or 0
+                    # What it declared counts before it shows it: it will use that much.
+                    demand += max(t.footprint.get(gpu) or 0, t.policy.memory_bytes or 0)
             if demand > policy.capacity_bytes - policy.reserve_bytes:
                 gating.add(gpu)
         return frozenset(gating)

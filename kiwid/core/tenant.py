@@ -198,6 +198,24 @@ class TenantRecord:
         """Its entitled GPU seconds up to ``now``."""
         return self.ledger.entitled_s + self.entitled_rate * max(0.0, now - self.accounted_at)
 
-    def size(self, gpu: GpuId) -> int:
-        """The memory it takes on ``gpu`` when on the card."""
+    @property
+    def sized(self) -> bool:
+        """Whether what it needs is known or declared (a newcomer nobody knows is not)."""
+        return self.known or self.policy.memory_bytes is not None
+
+    def held(self, gpu: GpuId) -> int:
+        """The memory it has on ``gpu`` by what was seen of it and its workload.
+
+        What a swap-out of it moves (its declaration is room kept for it, not memory
+        it holds).
+        """
         return max(self.peak.get(gpu, 0), self.footprint.get(gpu) or 0, self.remembered)
+
+    def size(self, gpu: GpuId) -> int:
+        """The memory it takes on ``gpu`` when on the card: the room kept for it.
+
+        The largest of what it was seen using, what its workload used before and what
+        it declared: a declaration keeps room for what it will use, and never shrinks
+        what it was seen using.
+        """
+        return max(self.held(gpu), self.policy.memory_bytes or 0)

@@ -112,6 +112,8 @@ def poll(ctx: Context) -> list[Event]:
     ctx.workloads.observe(tenants)
     ctx.workloads.save_if_due()
     events = [*arrivals, *ctx.tenant_policies.events(tenants), *remembered, *rest]
+    for line in ctx.tenant_policies.overruns(tenants):
+        log.warning(line)
     if ctx.can_swap and ctx.settings.memory.swap != "none":
         events.append(HostMemorySeen(procs.available_host_memory()))
         for sample in samples:

@@ -3,7 +3,8 @@
 From the container's OCI state and bundle: its names (the Kubernetes runtimes'
 annotations, or podman's container store), its GPUs and device IDs (its
 environment in ``config.json``, the device plugin's annotation), the weight and
-priority its pod asks for (brought within what kiwid takes) and its cgroup
+priority its pod asks for (brought within what kiwid takes), the GPU memory it
+declares (``kiwi.io/gpu-memory``, a Kubernetes quantity) and its cgroup
 (`kiwid.hook.cgroup`).
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kiwid.core.model import TenantPolicy
+from kiwid.core.quantity import MEMORY_RANGE, QuantityError, declared_bytes
 from kiwid.hook.cgroup import _cgroup_from_config, _cgroups_from_proc
 
 GPU_ENV_PREFIX = "KIWI_GPU_"  # kiwid.adapters.cdi.GPU_ENV_PREFIX (adapters do not share)
@@ -27,6 +29,8 @@ DEVICE_IDS_ENV = "KIWI_DEVICE_IDS"
 # What a pod asks of the scheduler; kiwid caps it by the matching [[tenants]] rule.
 WEIGHT_ANNOTATION = "kiwi.io/weight"
 PRIORITY_ANNOTATION = "kiwi.io/priority"
+# The GPU memory per GPU it declares it needs: unlike a weight, a wrong one fails its start.
+MEMORY_ANNOTATION = "kiwi.io/gpu-memory"
 _NUMBER = re.compile(r"\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 _INTEGER = re.compile(r"[-+]?[0-9]+")
 _MAX_CONFIG_BYTES = 8 * 1024 * 1024
@@ -59,6 +63,9 @@ class ContainerInfo:
         weight: The weight its ``kiwi.io/weight`` annotation asks for, if any.
         priority: The priority its ``kiwi.io/priority`` annotation asks for, if any.
         problems: What was wrong with those annotations, for the hook to warn about.
+        memory: The GPU memory per GPU (bytes) its ``kiwi.io/gpu-memory`` declares.
+        refusal: Why it must not start (a ``kiwi.io/gpu-memory`` that is no memory
+            size): running it ungated would let it take memory kiwid never counts.
     """
 
     id: str
@@ -73,6 +80,8 @@ class ContainerInfo:
     weight: float | None = None
     priority: int | None = None
     problems: tuple[str, ...] = ()
+    memory: int | None = None
+    refusal: str | None = None
 
     def register_args(self, hold: bool) -> dict[str, Any]:
         """The ``register`` command's arguments (docs/control-protocol.md).
@@ -81,7 +90,8 @@ class ContainerInfo:
             hold: Ask kiwid to start the container frozen if its GPU is busy.
 
         Returns:
-            The arguments; ``device_ids``, ``weight`` and ``priority`` only when there
+            The arguments; ``device_ids``, ``weight``, ``priority`` and
+            ``memory_bytes`` (with ``memory_source`` ``annotation``) only when there
             are some, so that a kiwid older than those arguments still accepts
             containers that do not use them.
         """
@@ -102,6 +112,9 @@ class ContainerInfo:
             args["weight"] = self.weight
         if self.priority is not None:
             args["priority"] = self.priority
+        if self.memory is not None:
+            args["memory_bytes"] = self.memory
+            args["memory_source"] = "annotation"
         return args
 
 
@@ -132,6 +145,7 @@ def container_info(state: Mapping[str, Any], proc: Path = _PROC) -> ContainerInf
     )
     weight, weight_problem = _weight(annotations.get(WEIGHT_ANNOTATION))
     priority, priority_problem = _priority(annotations.get(PRIORITY_ANNOTATION))
+    memory, refusal = _memory(annotations.get(MEMORY_ANNOTATION))
     return ContainerInfo(
         id=state["id"],
         pid=pid,
@@ -146,7 +160,29 @@ def container_info(state: Mapping[str, Any], proc: Path = _PROC) -> ContainerInf
         weight=weight,
         priority=priority,
         problems=tuple(p for p in (weight_problem, priority_problem) if p),
+        memory=memory,
+        refusal=refusal,
     )
+
+
+def _memory(value: str | None) -> tuple[int | None, str | None]:
+    """The GPU memory a ``kiwi.io/gpu-memory`` annotation declares, or why it is none.
+
+    Read as Kubernetes reads a quantity (kiwid.core.quantity), with no spaces around
+    it: ``"40Gi"`` is 40 GiB, ``"40GB"`` is no quantity.
+
+    Returns:
+        ``(None, None)`` without the annotation; ``(None, why)`` for one that is no
+        memory size (the container must not start); else ``(bytes, None)``.
+    """
+    if value is None:
+        return None, None
+    try:
+        return declared_bytes(value), None
+    except QuantityError as err:
+        return None, (
+            f"annotation {MEMORY_ANNOTATION}={_shown(value)} must be {MEMORY_RANGE}: {err}"
+        )
 
 
 def _weight(value: str | None) -> tuple[float | None, str | None]:

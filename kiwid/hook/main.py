@@ -13,10 +13,15 @@ set, else ``NVIDIA_VISIBLE_DEVICES``) and, on Kubernetes, the device IDs Kiwi's
 device plugin gave it (annotation ``kiwi.io/device-ids``, else ``KIWI_DEVICE_IDS``;
 kiwid finds the pod by them when the annotations lack its names), the weight and
 priority its pod asks for (annotations ``kiwi.io/weight`` and ``kiwi.io/priority``;
-kiwid caps them by the matching ``[[tenants]]`` rule, docs/scheduling.md), and sends
-kiwid ``register``; ``poststop`` sends ``unregister``.
+kiwid caps them by the matching ``[[tenants]]`` rule, docs/scheduling.md), the GPU
+memory it declares (``kiwi.io/gpu-memory``, a Kubernetes quantity; docs/memory.md),
+and sends kiwid ``register``; ``poststop`` sends ``unregister``.
 
-A hook must never hang or fail a container start, so:
+A hook must never hang, and fails a container start for one reason only: a GPU
+memory declaration that is no memory size, or that kiwid refuses because none of
+the container's GPUs could ever hold it (exit 1, the reason on stderr, which the
+runtime reports, and in syslog). Such a container could never run as it says it
+must, and run ungated it would take memory kiwid never counts. Otherwise:
 
 * the whole run is bounded by ``--timeout`` (default 5 s; the spec gives the OCI
   hook a longer timeout, so this one always fires first), enforced by the socket
@@ -70,6 +75,7 @@ DEFAULT_SOCKET = "/run/kiwi/kiwid.sock"
 DEFAULT_TIMEOUT_S = 5.0
 MAX_TIMEOUT_S = 60.0
 EXIT_OK = 0
+EXIT_REFUSED = 1
 EXIT_USAGE = 2
 _CREATE = frozenset({"create", "createRuntime", "prestart"})
 _POSTSTOP = frozenset({"poststop"})
@@ -78,6 +84,10 @@ _MAX_STATE_BYTES = 1024 * 1024
 
 class _OutOfTime(Exception):
     """The hook's time is up (raised by the SIGALRM backstop)."""
+
+
+class _Refused(Exception):
+    """The container must not start; ``str()`` says why."""
 
 
 def _read_stdin(deadline: float) -> bytes:
@@ -162,8 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: The arguments after the program name; ``None`` means ``sys.argv[1:]``.
 
     Returns:
-        0 whatever happened to kiwid or the state (see the module docstring), 2 for a
-        command line without a known action.
+        1 for a container whose GPU memory declaration is no size or can never fit
+        (it must not start), 2 for a command line without a known action, else 0
+        whatever happened to kiwid or the state (see the module docstring).
     """
     with contextlib.suppress(OSError):
         syslog.openlog("kiwi-hook", syslog.LOG_PID, syslog.LOG_DAEMON)
@@ -188,11 +199,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _register(args.socket, container_info(state), args.admission == "hold", deadline)
             else:
                 _unregister(args.socket, cid, deadline)
+    except _Refused as exc:
+        _log(syslog.LOG_ERR, f"error: {exc}; the container does not start", to_stderr=True)
+        return EXIT_REFUSED
     except MalformedState as exc:
         _warn(f"{exc}; the container runs without Kiwi")
     except (_OutOfTime, DaemonUnreachable) as exc:
         _warn(f"cannot {what} container {cid} with kiwid: {exc}; it runs ungated")
     except ControlError as exc:
+        if exc.code == "invalid-value" and exc.arg == "memory_bytes":
+            message = f"{exc.message} (kiwid refused it)"
+            _log(syslog.LOG_ERR, f"error: {message}; the container does not start", to_stderr=True)
+            return EXIT_REFUSED
         _warn(f"kiwid refused to {what} container {cid} ({exc.code}): {exc.message}")
     except Exception as exc:  # noqa: BLE001 - a hook bug must not fail the container start
         _warn(f"failed to {what} container {cid}: {type(exc).__name__}: {exc}")
@@ -200,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _register(socket: str, info: ContainerInfo, hold: bool, deadline: float) -> None:
+    if info.refusal is not None:
+        raise _Refused(f"container {info.id}: {info.refusal}")
     for problem in info.problems:
         _warn(f"container {info.id}: {problem}")
     if info.cgroup_v2 is None and info.cgroup_v1_freezer is None:

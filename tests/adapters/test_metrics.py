@@ -86,6 +86,7 @@ STATUS: dict[str, Any] = {
                     "namespace": "shop",
                     "state": "holder",
                     "footprint_bytes": 3 * 2**30,
+                    "declared_bytes": 2 * 2**30,  # it grew past what it declared
                     "ledger": LEDGER,
                     "policy": {
                         "weight": 2.5,
@@ -277,6 +278,16 @@ def test_weight_and_priority_of_live_tenants() -> None:
     }
     assert policies == {"docker:ab12cd34ef56", "pid:456", "pid:789"}
     assert "pid:99" not in policies
+
+
+def test_declared_memory_stands_beside_the_footprint() -> None:
+    families, samples = parse(Exposition().render(STATUS))
+    assert families["kiwi_tenant_declared_bytes"].type == "gauge"
+    holder = HOLDER | {("gpu", "0")}
+    assert samples[("kiwi_tenant_declared_bytes", holder)] == 2 * 2**30
+    assert samples[("kiwi_tenant_footprint_bytes", holder)] == 3 * 2**30  # past it
+    declared = {dict(key)["tenant"] for (name, key) in samples if name.endswith("declared_bytes")}
+    assert declared == {"docker:ab12cd34ef56"}  # the others declared nothing
 
 
 def test_departed_tenants_stay_until_the_daemon_drops_them(serve) -> None:
@@ -529,6 +540,8 @@ CHANGES = {
     "policy.priority": _set((*HOLDER_AT, "policy", "priority"), -1),
     "policy gone": _set((*HOLDER_AT, "policy"), None),
     "footprint": _set((*HOLDER_AT, "footprint_bytes"), 5),
+    "declared": _set((*HOLDER_AT, "declared_bytes"), 7),
+    "declared gone": _set((*HOLDER_AT, "declared_bytes"), None),
     "gate failure": _set((*HOLDER_AT, "gate_failure"), "freeze timed out"),
     "stuck": _set((*HOLDER_AT, "state"), "stuck"),
     "stuck operation": _set(("gpus", 0, "tenants", 2, "stuck_reason", "operation"), "retry"),

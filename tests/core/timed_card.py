@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kiwid.core.clock import FakeClock
@@ -30,10 +31,11 @@ from kiwid.core.events import (
     SwapIn,
     SwapOut,
     TenantAttached,
+    TenantPolicySet,
     Tick,
     Ungate,
 )
-from kiwid.core.model import GpuPolicy, Newcomer, SwapMode
+from kiwid.core.model import GpuPolicy, Newcomer, SwapMode, TenantPolicy
 from kiwid.core.scheduler import Scheduler
 
 GiB = 2**30
@@ -69,6 +71,8 @@ class TimedCard:
     """Tenants whose checkpoint the driver refuses for good (``unswappable``)."""
     clock: FakeClock = field(default_factory=lambda: FakeClock(1000.0))
     log: list[tuple[float, Action]] = field(default_factory=list)
+    on_ungate: Callable[[str], None] | None = None
+    """Called with each tenant let go, the moment it is (a test's check of the card)."""
 
     def __post_init__(self) -> None:
         self.policy = GpuPolicy(
@@ -90,6 +94,10 @@ class TimedCard:
         """(tenant, the card's free bytes just before its restore allocated)."""
         self.seen: list[str] = []
         """Every ``waiting_for`` the status showed at a poll."""
+        self.declared: dict[str, int] = {}
+        """What each tenant declared it needs (bytes), as its policy told the scheduler."""
+        self.peaks: dict[str, int] = {}
+        """The most each tenant was seen using (bytes), as its footprints told it."""
 
     # ------------------------------------------------------------ driving
 
@@ -105,6 +113,8 @@ class TimedCard:
                     gated.append(t)
                 case Ungate(tenant=t):
                     self.running.add(t)
+                    if self.on_ungate is not None:
+                        self.on_ungate(t)
                 case SwapOut(tenant=t) | SwapIn(tenant=t):
                     direction = "out" if isinstance(action, SwapOut) else "in"
                     self.lanes[direction].append(Swap(t, direction, 0, math.inf, math.inf))
@@ -112,20 +122,41 @@ class TimedCard:
             self.do(Gated(t))
         self._start_swaps()
 
-    def join(self, name: str, gib: float, remembered: int | None = None) -> None:
+    def join(
+        self,
+        name: str,
+        gib: float,
+        remembered: int | None = None,
+        declared: float | None = None,
+    ) -> None:
         """A tenant appears with ``gib`` of memory and starts a burst.
 
         ``remembered``: the peak its workload had in an earlier run, as the shell
-        tells it right after the tenant appears.
+        tells it right after the tenant appears; ``declared``: the GiB it declared it
+        needs (its policy, resolved before its footprint and activity, as the shell
+        does).
         """
         self.sizes[name] = self.on_card[name] = int(gib * GiB)
         self.do(TenantAttached(name, frozenset({"0"})))
+        if declared is not None:
+            self.declared[name] = int(declared * GiB)
+            self.do(TenantPolicySet(name, TenantPolicy(memory_bytes=self.declared[name])))
         if remembered is not None:
             self.do(FootprintRemembered(name, remembered))
-        self.do(FootprintSeen(name, "0", self.sizes[name]))
+        self._footprint(name)
         self.do(ActivitySeen(name))
         if not any(a == Gate(name) for _, a in self.log):
             self.running.add(name)  # it holds at once, never gated
+
+    def grow(self, name: str, gib: float) -> None:
+        """A running tenant now uses ``gib`` (it allocated more, or freed some)."""
+        assert name in self.running, f"{name} does not run: it cannot allocate"
+        self.sizes[name] = self.on_card[name] = int(gib * GiB)
+        self._footprint(name)
+
+    def _footprint(self, name: str) -> None:
+        self.peaks[name] = max(self.peaks.get(name, 0), self.sizes[name])
+        self.do(FootprintSeen(name, "0", self.sizes[name]))
 
     def free(self) -> int:
         return self.policy.capacity_bytes - sum(self.on_card.values()) - self.foreign

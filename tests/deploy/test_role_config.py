@@ -174,6 +174,30 @@ def test_tenant_rules_render_as_an_array_of_tables_in_order(tmp_path: Path) -> N
     assert dropin == render(plain)[1]
 
 
+MEMORY_RULES = [
+    {"match": {"namespace": "research"}, "memory": "40Gi", "max_memory": "64Gi"},
+    {"match": {"name": "infer-*"}, "weight": 2, "memory": 8 * 2**30},
+]
+
+
+@pytest.mark.timeout(180)
+def test_tenant_rules_declare_memory_as_quantities_or_bytes(tmp_path: Path) -> None:
+    assert validate_arguments(tmp_path, kiwid_tenants=MEMORY_RULES) == []
+    text, _ = render(tmp_path, kiwid_tenants=MEMORY_RULES)
+    check_config(tmp_path / "kiwi.toml")
+    assert tomllib.loads(text)["tenants"] == MEMORY_RULES
+    assert 'memory = "40Gi"\nmax_memory = "64Gi"\n' in text  # after the rule's other keys
+
+
+@pytest.mark.timeout(180)
+def test_a_memory_that_is_no_size_reaches_check_config_and_is_named(tmp_path: Path) -> None:
+    rules = [{"match": {}, "memory": "40GB"}]
+    assert validate_arguments(tmp_path, kiwid_tenants=rules) == []  # its judge is kiwid
+    render(tmp_path, kiwid_tenants=rules)
+    problems = check_config_fails(tmp_path / "kiwi.toml")
+    assert 'tenants[0].memory = "40GB": must be a GPU memory size' in problems, problems
+
+
 @pytest.mark.timeout(180)
 def test_defaults_write_no_tenant_rules_and_the_scheduler_defaults(tmp_path: Path) -> None:
     text, _ = render(tmp_path)

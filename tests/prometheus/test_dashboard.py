@@ -64,6 +64,7 @@ def test_its_queries_use_only_series_kiwid_exports_and_the_shipped_rules() -> No
         "kiwi_tenant_priority",
         "kiwi_tenant_preemptions_total",
         "kiwi_tenant_stuck",
+        "kiwi_tenant_declared_bytes",
     } <= used
     assert not [e for e in queries if "kiwi_gpu_tq_seconds" in e and "+ 2" in e]
     shares = {
@@ -76,6 +77,14 @@ def test_its_queries_use_only_series_kiwid_exports_and_the_shipped_rules() -> No
         if shares <= {e.split("{")[0] for e in _exprs_of(panel)}
     ]
     assert side_by_side == ["Entitled and received share"]
+    # What a tenant uses beside what it declared: one above the other grew past it.
+    memory = {"kiwi_tenant_footprint_bytes", "kiwi_tenant_declared_bytes"}
+    beside = [
+        panel["title"]
+        for panel in json.loads(DASHBOARD.read_text())["panels"]
+        if memory <= {e.split("{")[0] for e in _exprs_of(panel)}
+    ]
+    assert beside == ["GPU memory used and declared, per tenant"]
 
 
 def test_its_queries_are_valid_promql(tmp_path: Path) -> None:

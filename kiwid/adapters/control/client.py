@@ -63,7 +63,11 @@ def request(
     try:
         reply = decode(line)
         if not reply["ok"]:
-            raise ControlError(str(reply["error"]["code"]), str(reply["error"]["message"]))
+            error = reply["error"]
+            arg = error.get("arg")
+            raise ControlError(
+                str(error["code"]), str(error["message"]), arg if isinstance(arg, str) else None
+            )
         result = reply["result"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ControlError("internal", f"kiwid sent an unreadable answer: {exc}") from None

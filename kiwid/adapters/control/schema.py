@@ -162,6 +162,10 @@ COMMANDS: Mapping[str, CommandSpec] = MappingProxyType(
                 device_ids=Arg(Kind.STRINGS, required=False),
                 weight=Arg(Kind.NUMBER, required=False, nullable=True),
                 priority=Arg(Kind.INTEGER, required=False, nullable=True),
+                # GPU memory per GPU it declares (bytes): its pod's kiwi.io/gpu-memory
+                # ("annotation", from kiwi-hook) or its own ("register", the default).
+                memory_bytes=Arg(Kind.INTEGER, required=False, nullable=True),
+                memory_source=_STRING_OR_NULL,
             ),
             root_reason="the container runtime runs kiwi-hook as root",
         ),

@@ -323,7 +323,7 @@ class ControlServer:
                 logger.info("uid %d (pid %d): %s %s", peer.uid, peer.pid, cmd, args)
             response = await self._call(cmd, args, peer, rid)
         except ControlError as exc:
-            response = error_message(rid, exc.code, exc.message)
+            response = error_message(rid, exc.code, exc.message, exc.arg)
         await self._send(writer, response)
 
     def _is_admin(self, peer: Peer) -> bool:

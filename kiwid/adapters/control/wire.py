@@ -25,12 +25,15 @@ class ControlError(Exception):
     Attributes:
         code: One of `ERROR_CODES` (a newer daemon may send others).
         message: One readable sentence for a person.
+        arg: The argument whose value is at fault, when one is (``invalid-value``):
+            e.g. ``memory_bytes`` for a declaration no GPU of the container can hold.
     """
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, arg: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.arg = arg
 
 
 class DaemonUnreachable(Exception):
@@ -141,9 +144,11 @@ def encode(message: dict[str, Any]) -> bytes:
     return json.dumps(message, ensure_ascii=False, allow_nan=False).encode("utf-8") + b"\n"
 
 
-def error_message(rid: Any, code: str, message: str) -> dict[str, Any]:
-    """The answer that refuses request ``rid`` with ``code``."""
+def error_message(rid: Any, code: str, message: str, arg: str | None = None) -> dict[str, Any]:
+    """The answer that refuses request ``rid`` with ``code`` (``arg``: the argument at fault)."""
     error = {"code": code, "message": message}
+    if arg is not None:
+        error["arg"] = arg
     return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": error}
 
 

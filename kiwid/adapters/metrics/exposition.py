@@ -90,8 +90,8 @@ def _stuck_operation(tenant: Mapping[str, Any]) -> str | None:
 _TENANT_HEADERS = tuple(_header(*family) for family in _TENANT_FAMILIES)
 
 # A tenant's series on one GPU are a pure function of this key: its labels, its
-# ledger's values, its footprint, its gate failure, the operation it is stuck on, its
-# swap refusal, its weight and priority.
+# ledger's values, its footprint, its declared memory, its gate failure, the
+# operation it is stuck on, its swap refusal, its weight and priority.
 _TenantKey = tuple[Any, ...]
 
 
@@ -153,6 +153,7 @@ class Exposition:
                         gid,
                         *[ledger.get(field) for field in _LEDGER_FIELDS],
                         tenant.get("footprint_bytes") if size is None else size,
+                        tenant.get("declared_bytes"),
                         bool(tenant.get("gate_failure")),
                         _stuck_operation(tenant),
                         _refusal_reason(tenant.get("swap_refusal")),
@@ -167,7 +168,7 @@ class Exposition:
                     continue
                 labels = (tid, entry.get("name"), entry.get("pod"), entry.get("namespace"), gid)
                 values = [ledger.get(field) for field in _LEDGER_FIELDS]
-                add((*labels, *values, None, False, None, None, None, None))
+                add((*labels, *values, None, None, False, None, None, None, None))
         self._tenant_cache = fresh  # only what this scrape showed: bounded like the status
         columns = zip(*rows, strict=True) if rows else [()] * len(_TENANT_FAMILIES)
         return [
@@ -180,7 +181,9 @@ def _tenant_lines(key: _TenantKey) -> tuple[str, ...]:
     """One tenant's lines (or "") in each tenant family, from its cache key."""
     labels = _labels(zip(TENANT_LABELS, key[:5], strict=True))
     *values, preempted, by_priority = key[5 : 5 + len(_LEDGER_FIELDS)]
-    footprint, gate_failed, stuck, refusal, weight, priority = key[5 + len(_LEDGER_FIELDS) :]
+    footprint, declared, gate_failed, stuck, refusal, weight, priority = key[
+        5 + len(_LEDGER_FIELDS) :
+    ]
     lines = [
         "" if value is None else f"{name}{labels} {_number(value)}\n"
         for (name, _, _), value in zip(_LEDGER_COUNTERS, values, strict=True)
@@ -196,6 +199,8 @@ def _tenant_lines(key: _TenantKey) -> tuple[str, ...]:
         )
     size = "" if footprint is None else _number(footprint)
     lines.append(f"kiwi_tenant_footprint_bytes{labels} {size}\n" if size else "")
+    shown = "" if declared is None else _number(declared)
+    lines.append(f"kiwi_tenant_declared_bytes{labels} {shown}\n" if shown else "")
     lines.append(f"kiwi_tenant_gate_failed{labels} 1\n" if gate_failed else "")
     operation = f'{labels[:-1]},operation="{_escape(stuck)}"}}'
     lines.append(f"kiwi_tenant_stuck{operation} 1\n" if stuck is not None else "")

@@ -39,6 +39,12 @@ _LEDGER_FIELDS = (
 _TENANT_GAUGES = (
     ("kiwi_tenant_footprint_bytes", "GPU memory the tenant uses (all its processes)."),
     (
+        "kiwi_tenant_declared_bytes",
+        "GPU memory the tenant declared it needs on each of its GPUs (kiwi.io/gpu-memory, "
+        "register or a [[tenants]] rule's memory); absent when none. A footprint above it "
+        "is a tenant that grew past its declaration: it is sized by what it uses.",
+    ),
+    (
         "kiwi_tenant_gate_failed",
         "1 while the tenant's freeze or lock did not take, so that it may run ungated (it is "
         "stuck, and nobody else is let go on its GPUs; its gate is tried again every TQ); "

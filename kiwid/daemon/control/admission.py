@@ -7,6 +7,12 @@ root, a login session, a parent slice with every service under it, or a cgroup
 the process is not in. With ``kubernetes.admission = "hold"`` a container whose
 GPU is busy is queued at once and gated before its first instruction; whether it
 must wait is the scheduler's call (:class:`~kiwid.core.events.Admitted`).
+
+A container that declares more GPU memory than one of its GPUs can ever give it
+(the card less ``memory.reserve_mib``; its pod's ``kiwi.io/gpu-memory``, its own
+``memory_bytes`` or its rule's ``memory``) is refused (``invalid-value`` naming
+``memory_bytes``): it could never run, and kiwi-hook fails its start rather than
+letting it run ungated.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from typing import Any
 from kiwid.adapters.control import ControlError, Peer
 from kiwid.core.events import Admitted
 from kiwid.core.model import TenantPolicy
+from kiwid.core.quantity import shown_bytes
 from kiwid.daemon.context import Context
+from kiwid.daemon.gpu_policy import MIB
 from kiwid.daemon.sampling import poll
 from kiwid.daemon.tenants.identify import identity_of_container
 from kiwid.daemon.tenants.pods import PodNames
-from kiwid.daemon.tenants.tracker import Registration
+from kiwid.daemon.tenants.policy import resolve
+from kiwid.daemon.tenants.tracker import Identity, Registration
 from kiwid.linux.proc import comm, read_stat
 
 log = logging.getLogger("kiwid")
@@ -32,6 +41,11 @@ HOLD_EXEC_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 5.0
 """How long ``register`` waits for a hold's gate to take before it answers."""
 _RUNTIMES = ("runc", "crun", "youki", "runsc", "kata")
+_MEMORY_SOURCES = ("annotation", "register")
+_SOURCE_WORDS = {
+    "annotation": "its pod's annotation kiwi.io/gpu-memory",
+    "register": "its registration's memory_bytes",
+}
 
 
 class Admission:
@@ -62,13 +76,22 @@ class Admission:
         cid = args["id"]
         pid = args.get("pid")
         weight, priority = args.get("weight"), args.get("priority")
+        memory, memory_source = args.get("memory_bytes"), args.get("memory_source")
         for value, refusal_of in (
             (weight, TenantPolicy.weight_refusal),
             (priority, TenantPolicy.priority_refusal),
+            (memory, TenantPolicy.memory_refusal),
         ):
             refusal = None if value is None else refusal_of(value)
             if refusal is not None:
-                raise ControlError("invalid-value", f"container {cid}: {refusal}")
+                arg = "memory_bytes" if value is memory else None
+                raise ControlError("invalid-value", f"container {cid}: {refusal}", arg)
+        if memory_source not in (None, *_MEMORY_SOURCES):
+            raise ControlError(
+                "invalid-value",
+                f"container {cid}: memory_source must be one of {', '.join(_MEMORY_SOURCES)}, "
+                f"not {memory_source!r}",
+            )
         if pid is None or pid <= 0:
             raise ControlError("invalid-value", f"container {cid}: a process id is needed")
         try:
@@ -82,6 +105,8 @@ class Admission:
                 namespace=args.get("namespace"),
                 weight=weight,
                 priority=priority,
+                memory=memory,
+                memory_source=memory_source or "register",
             )
         except ValueError as err:
             raise ControlError("invalid-value", f"container {cid}: {err}") from None
@@ -93,6 +118,7 @@ class Admission:
                 known = ", ".join(str(d.index) for d in ctx.devices) or "none"
                 raise ControlError("invalid-value", f"no GPU {ref!r} on this node (GPUs: {known})")
             gpus.add(gpu)
+        self._check_declaration(cid, ident, gpus)
         engine = ctx.engine
         stat = read_stat(pid)  # with the pid, its start names the process for good
         starts = {pid: stat.start_ticks if stat is not None else None}
@@ -115,6 +141,38 @@ class Admission:
             ": held until its turn" if held else "",
         )
         return {"tenant": ident.key, "held": held}
+
+    def _check_declaration(self, cid: str, ident: Identity, gpus: set[str]) -> None:
+        """Refuse a container that declares more memory than one of its GPUs can give.
+
+        Raises:
+            ControlError: ``invalid-value`` (``arg`` ``memory_bytes``), naming the
+                container, what it declared and where, and the card's size.
+        """
+        ctx = self._ctx
+        resolved = resolve(ctx.tenant_policies.rules, ident)
+        declared = resolved.policy.memory_bytes
+        if declared is None:
+            return
+        reserve = ctx.settings.memory.reserve_mib * MIB
+        for device in sorted(ctx.devices, key=lambda d: d.index):
+            room = device.memory_total_bytes - reserve
+            if str(device.index) not in gpus or declared <= room:
+                continue
+            source = resolved.declared_source or "register"
+            where = _SOURCE_WORDS.get(source, f"{source} of {ctx.config_path}")
+            who = f"{ident.name} ({cid})" if ident.name != cid else cid
+            asked, left = shown_bytes(declared), shown_bytes(max(0, room))
+            if asked == left:  # rounded alike: say the bytes
+                asked, left = f"{asked} ({declared} bytes)", f"{left} ({room} bytes)"
+            raise ControlError(
+                "invalid-value",
+                f"container {who} declares {asked} of GPU memory per GPU ({where}), more "
+                f"than GPU {device.index} can ever give it: its "
+                f"{shown_bytes(device.memory_total_bytes)} less memory.reserve_mib "
+                f"({shown_bytes(reserve)}) leave {left}",
+                "memory_bytes",
+            )
 
     async def _hold(self, key: str, pid: int) -> bool:
         """Queue a newcomer whose GPU is busy; whether it waits."""

@@ -67,6 +67,9 @@ def tenant_json(
     is not let go although it may be next; ``swap_refusal`` why its memory may not
     move for now (e.g. the host memory floor); ``stuck_reason`` why it is stuck
     (``None`` unless it is) and ``released`` what an operator's release reported.
+    ``declared_bytes`` is the GPU memory per GPU it declared (``declared_source``:
+    ``annotation``, ``register`` or ``rule N``), ``peak_bytes`` the most it was seen
+    using on one GPU: it is sized by the larger.
     """
     ident = info.identity if info else None
     key = view.tenant
@@ -98,6 +101,9 @@ def tenant_json(
         "remembered_bytes": view.remembered or None,
         "stuck_reason": fault_json(view.fault, now),
         "released": view.released_note if view.state is TenantState.RELEASED else None,
+        "declared_bytes": view.policy.memory_bytes,
+        "declared_source": resolved.declared_source if resolved else None,
+        "peak_bytes": max((view.peak or {}).values(), default=0) or None,
     }
 
 

@@ -66,11 +66,14 @@ def identity_of_container(
     namespace: str | None = None,
     weight: float | None = None,
     priority: int | None = None,
+    memory: int | None = None,
+    memory_source: str | None = None,
 ) -> Identity:
     """The identity of a container that kiwi-hook announced.
 
-    ``weight`` and ``priority`` are what its pod's annotations ask for (capped by
-    the rules when its policy is resolved).
+    ``weight`` and ``priority`` are what its pod's annotations ask for, ``memory``
+    the GPU memory per GPU it declares (``memory_source``: ``annotation`` or
+    ``register``); the rules cap them when its policy is resolved.
 
     Its key is the one its processes will have when they show up on a GPU (it is
     derived from the same cgroup path), so the two meet in one tenant. The cgroup
@@ -120,5 +123,7 @@ def identity_of_container(
         namespace=namespace,
         requested_weight=weight,
         requested_priority=priority,
+        requested_memory=memory,
+        memory_source=memory_source if memory is not None else None,
         identity_source="annotations" if pod else None,
     )

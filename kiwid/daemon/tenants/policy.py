@@ -1,15 +1,18 @@
-"""Each tenant's weight, priority, TQ and swap policy: rules, annotations, kiwictl.
+"""Each tenant's weight, priority, TQ, swap and memory: rules, annotations, kiwictl.
 
 Precedence, documented in docs/scheduling.md:
 
 1. a runtime ``kiwictl set-weight`` / ``set-priority`` (until the next reload or
    restart, like ``-T``);
-2. the pod's ``kiwi.io/weight`` / ``kiwi.io/priority`` annotations (kiwi-hook passes
-   them), capped by the matching rule's ``max_weight`` / ``max_priority`` — by
-   default the rule's own value, so a pod may lower itself but never raise itself
-   above what the operator allows;
+2. the pod's ``kiwi.io/weight`` / ``kiwi.io/priority`` / ``kiwi.io/gpu-memory``
+   annotations (kiwi-hook passes them; a client's own ``register`` may declare
+   ``memory_bytes`` too), capped by the matching rule's ``max_weight`` /
+   ``max_priority`` / ``max_memory`` — by default the rule's own value, so a pod may
+   lower itself but never raise itself above what the operator allows (a rule
+   without ``memory`` nor ``max_memory`` bounds no declaration);
 3. the first ``[[tenants]]`` rule that matches the tenant;
-4. the defaults: weight 1, priority 0, the GPU's TQ, swap as ``memory.swap`` says.
+4. the defaults: weight 1, priority 0, the GPU's TQ, swap as ``memory.swap`` says,
+   no declared memory.
 
 :class:`PolicyBook` owns what was resolved and sent to the scheduler; it resolves
 a tenant again only when its identity, the rules or the runtime values changed.
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from kiwid.config.schema import TenantMatch, TenantRule
 from kiwid.core.events import TenantPolicySet
 from kiwid.core.model import TenantPolicy, TenantSwap
+from kiwid.core.quantity import shown_bytes
 from kiwid.daemon.tenants.tracker import Identity, TenantInfo
 
 DEFAULT = TenantPolicy()
@@ -41,6 +45,9 @@ class Resolved:
     ``rule N`` or ``default``."""
     capped: tuple[str, ...] = ()
     """Annotations that asked for more than the rule allows, and were capped."""
+    declared_source: str | None = None
+    """Where ``policy.memory_bytes`` came from: ``annotation``, ``register`` or
+    ``rule N`` (``None``: nothing declared)."""
 
     def as_json(self) -> dict[str, object]:
         """The ``policy`` object of a tenant in the status."""
@@ -108,6 +115,12 @@ def resolve(
         cap_p = rule.max_priority if rule.max_priority is not None else priority
         capped += ["priority"] if ident.requested_priority > cap_p else []
         priority, sources["priority"] = min(ident.requested_priority, cap_p), "annotation"
+    memory, declared_source = rule.memory, where if rule.memory is not None else None
+    if ident.requested_memory is not None:
+        cap_m = rule.max_memory if rule.max_memory is not None else rule.memory
+        capped += ["memory"] if cap_m is not None and ident.requested_memory > cap_m else []
+        memory = ident.requested_memory if cap_m is None else min(ident.requested_memory, cap_m)
+        declared_source = ident.memory_source or "register"
     runtime = runtime or {}
     if "weight" in runtime:
         weight, sources["weight"] = float(runtime["weight"]), "runtime"
@@ -118,8 +131,9 @@ def resolve(
         priority=priority,
         tq_s=rule.tq,
         swap=TenantSwap(rule.swap) if rule.swap is not None else TenantSwap.ALLOW,
+        memory_bytes=memory,
     )
-    return Resolved(policy, index, sources, tuple(capped))
+    return Resolved(policy, index, sources, tuple(capped), declared_source)
 
 
 @dataclass
@@ -132,6 +146,8 @@ class PolicyBook:
     resolved: dict[str, Resolved] = field(default_factory=dict)
     _seen: dict[str, tuple[Identity, int]] = field(default_factory=dict)
     _version: int = 0
+    _overran: set[str] = field(default_factory=set)
+    """Tenants already told to have used more than they declared (once each)."""
 
     def reload(self, rules: tuple[TenantRule, ...]) -> None:
         """New rules from the file; runtime values end (the file is the persistent truth)."""
@@ -165,3 +181,32 @@ class PolicyBook:
             if (before.policy if before else DEFAULT) != resolved.policy:
                 out.append(TenantPolicySet(key, resolved.policy))
         return out
+
+    def overruns(self, tenants: Mapping[str, TenantInfo]) -> list[str]:
+        """Say, once per tenant, that it uses more GPU memory than it declared.
+
+        Nothing stops it (Kiwi caps nothing at run time); the scheduler sizes it by
+        the larger value from now on. A tenant that leaves is forgotten.
+        """
+        self._overran &= set(tenants)
+        lines: list[str] = []
+        for key, info in tenants.items():
+            resolved = self.resolved.get(key)
+            if resolved is None or key in self._overran:
+                continue
+            declared = resolved.policy.memory_bytes
+            over = [
+                (gpu, used)
+                for gpu, used in sorted(info.footprint.items())
+                if used is not None and declared is not None and used > declared
+            ]
+            if not over or declared is None:
+                continue
+            self._overran.add(key)
+            gpu, used = over[0]
+            lines.append(
+                f"Tenant {info.identity.name} ({key}) uses {shown_bytes(used)} on GPU {gpu}, "
+                f"more than the {shown_bytes(declared)} it declared "
+                f"({resolved.declared_source or 'register'}): it is sized by what it uses"
+            )
+        return lines

@@ -39,6 +39,11 @@ class Identity:
     """The weight its pod's ``kiwi.io/weight`` annotation asks for (``None``: none)."""
     requested_priority: int | None = None
     """The priority its pod's ``kiwi.io/priority`` annotation asks for."""
+    requested_memory: int | None = None
+    """The GPU memory per GPU (bytes) it declared at ``register``: its pod's
+    ``kiwi.io/gpu-memory`` annotation, or a client's own ``memory_bytes``."""
+    memory_source: str | None = None
+    """Where ``requested_memory`` came from: ``annotation`` or ``register``."""
     identity_source: str | None = None
     """Where ``pod`` came from: ``annotations`` (the runtime's, through kiwi-hook),
     ``podresources`` (the kubelet's PodResources API, by device IDs) or ``cgroup``

@@ -180,6 +180,7 @@ def _real(run: Run, args: argparse.Namespace, machine: list[str]) -> None:
                 state_dir=args.state_dir,
                 checkpoint_lanes=args.checkpoint_lanes,
                 newcomer=args.newcomer,
+                declared=declarations(args),
             )
         )
         run.spawn()  # torch imports overlap the config check
@@ -192,6 +193,16 @@ def _real(run: Run, args: argparse.Namespace, machine: list[str]) -> None:
     except BenchError as exc:
         run.errors.append(str(exc))
         log(f"ERROR: {exc}")
+
+
+def declarations(args: argparse.Namespace) -> dict[str, int] | None:
+    """With ``--declare``: each tenant's cgroup, with its ballast plus its overhead in bytes."""
+    if not args.declare:
+        return None
+    sizes = [args.gib] * args.tenants + ([args.torch_gib] if args.torch_tenant else [])
+    return {
+        f"/{enf.CG_PREFIX}{i}": int((gib + args.overhead_gib) * GIB) for i, gib in enumerate(sizes)
+    }
 
 
 def checked_config(config: Path) -> None:

@@ -48,6 +48,12 @@ def parser() -> argparse.ArgumentParser:
         "--newcomer", choices=NEWCOMER, help="kiwid's memory.newcomer (written only when given)"
     )
     p.add_argument(
+        "--declare",
+        action="store_true",
+        help="each tenant declares its GPU memory (its ballast plus the context overhead) "
+        "through a [[tenants]] rule on its cgroup: kiwid sizes a newcomer's first turn by it",
+    )
+    p.add_argument(
         "--state-dir",
         type=Path,
         default=STATE,
@@ -109,6 +115,8 @@ def plan_lines(args: argparse.Namespace) -> list[str]:
         for key, value in (("checkpoint_lanes", args.checkpoint_lanes), ("newcomer", args.newcomer))
         if value is not None
     ]
+    if args.declare:
+        extra.append(f"each tenant declares {args.gib + args.overhead_gib:.3g} GiB")
     return [
         f"{args.tenants} tenants x {args.gib:g} GiB ballast{trainer} (~{total:.0f} GiB with "
         f"contexts), kiwid TQ {args.tq:g} s, swap = checkpoint, gate = "

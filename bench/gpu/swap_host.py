@@ -29,11 +29,13 @@ def config_text(
     state_dir: Path = STATE,
     checkpoint_lanes: int | None = None,
     newcomer: str | None = None,
+    declared: Mapping[str, int] | None = None,
 ) -> str:
     """kiwid's config; ``checkpoint_lanes`` and ``newcomer`` are written only when given.
 
     (``memory.checkpoint_lanes``, ``memory.newcomer``: issue 13's keys; a kiwid without
-    them rejects the config at ``check-config``.)
+    them rejects the config at ``check-config``.) ``declared``: bytes per tenant cgroup
+    (``/kiwigpu-bench-0``...), each a ``[[tenants]]`` rule's ``memory`` (issue 18's).
     """
     gate_line = f'gate = "{gate}"\n' if gate else ""
     sim = (
@@ -51,6 +53,10 @@ def config_text(
         + f'[control]\nsocket = "{SOCK}"\n'
         f'[daemon]\nstate_dir = "{state_dir}"\n'
         '[kubernetes]\ncdi_dir = ""\n'
+        + "".join(
+            f'[[tenants]]\nmatch = {{ cgroup = "{cgroup}" }}\nmemory = {nbytes}\n'
+            for cgroup, nbytes in sorted((declared or {}).items())
+        )
     )
 
 

@@ -74,3 +74,30 @@ def test_analysis_of_a_made_up_rotation():
     a = swap_analysis.analyse(logs, events, lo, hi)
     assert a.integrity_ok, a.integrity
     assert "== integrity: PASS" in swap_report.report(a, ["machine: test"])
+
+
+def test_declare_writes_one_rule_per_tenant_that_kiwid_accepts(tmp_path: Path) -> None:
+    import subprocess  # noqa: PLC0415
+
+    import swap  # noqa: PLC0415
+    import swap_args  # noqa: PLC0415
+    from swap_host import config_text  # noqa: PLC0415
+
+    args = swap_args.parse(["--rehearse", "--declare", "--tenants", "2", "--torch-tenant"])
+    declared = swap.declarations(args)
+    assert declared is not None
+    assert sorted(declared) == ["/kiwigpu-bench-0", "/kiwigpu-bench-1", "/kiwigpu-bench-2"]
+    assert all(n == int((args.gib + args.overhead_gib) * 2**30) for n in declared.values())
+    assert swap.declarations(swap_args.parse(["--rehearse"])) is None
+    config = tmp_path / "kiwi.toml"
+    config.write_text(config_text(30, backend="sim", gate=None, declared=declared))
+    text = config.read_text()
+    assert text.count("[[tenants]]") == 3
+    assert 'match = { cgroup = "/kiwigpu-bench-1" }' in text
+    out = subprocess.run(
+        [sys.executable, "-m", "kiwid", "check-config", str(config)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr

@@ -31,7 +31,8 @@ from kiwid.daemon.control import reload
 from kiwid.daemon.control.admission import Admission
 from kiwid.daemon.control.commands import Commands
 from kiwid.daemon.control.status import StatusCache, summary_line
-from kiwid.daemon.engine.engine import Engine, ThreadRunner
+from kiwid.daemon.engine.engine import Engine
+from kiwid.daemon.engine.runner import ThreadRunner
 from kiwid.daemon.gating import recovery
 from kiwid.daemon.gating.state import StateError
 from kiwid.daemon.logs import seconds

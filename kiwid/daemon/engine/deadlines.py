@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kiwid.daemon.engine.executor import Job, Kind
+from kiwid.core.events import Event, TenantFaulted
+from kiwid.core.residency import Residency
+from kiwid.daemon.engine.executor import OPERATIONS, Job, Kind
 from kiwid.daemon.gating.swap import Swapper
 
 _RESTORING = (Kind.SWAP_IN, Kind.RETRY, Kind.RELEASE)
@@ -33,3 +35,23 @@ def deadlines(
         return 2 * driver + gate_s()
 
     return deadline_s
+
+
+MAY_RUN = (Kind.GATE, Kind.FOLLOW, Kind.UNGATE, Kind.RELEASE)
+"""Jobs whose call, hanging, may leave the tenant running (or let it run when it
+returns): it counts as running, and is fenced with the freezer where it can be."""
+
+
+def late(job: Job, seconds: float) -> list[Event]:
+    """What the scheduler hears of a job that ran past its deadline."""
+    operation = OPERATIONS.get(job.kind)
+    if operation is None:  # a forget: its tenant is gone
+        return []
+    reason = (
+        f"its {job.kind.value} ran past its deadline ({seconds:.0f} s, gpu.driver_timeout): "
+        "the driver call has not returned"
+    )
+    if job.kind in (*MAY_RUN, Kind.FENCE):  # it may run (the call may yet return)
+        return [TenantFaulted(job.tenant, operation, reason, contained=False)]
+    moving = job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN, Kind.RETRY, Kind.RELEASE)
+    return [TenantFaulted(job.tenant, operation, reason, Residency.UNKNOWN if moving else None)]

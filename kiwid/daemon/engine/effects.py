@@ -16,7 +16,7 @@ from collections.abc import Callable
 from kiwid.core.events import Event, TenantFaulted
 from kiwid.core.residency import Residency
 from kiwid.daemon.engine import gate_jobs, mend_jobs, swap_jobs
-from kiwid.daemon.engine.executor import Job, Kind
+from kiwid.daemon.engine.executor import OPERATIONS, Job, Kind
 from kiwid.daemon.engine.tools import SwapGuards, Tools
 from kiwid.daemon.gating.gates import TenantGate
 from kiwid.daemon.gating.state import StateFile
@@ -35,17 +35,6 @@ _JOBS: dict[Kind, Callable[[Tools, Job], list[Event]]] = {
     Kind.RETRY: mend_jobs.retry,
     Kind.RELEASE: mend_jobs.release,
 }
-OPERATIONS = {
-    Kind.GATE: "gate",
-    Kind.UNGATE: "ungate",
-    Kind.FOLLOW: "gate",
-    Kind.FENCE: "gate",
-    Kind.SWAP_OUT: "swap-out",
-    Kind.SWAP_IN: "swap-in",
-    Kind.RETRY: "retry",
-    Kind.RELEASE: "release",
-}
-"""The operation a job's fault names (a fence and a follow belong to the gate)."""
 
 
 class Effects:

@@ -1,8 +1,9 @@
 """The engine: the scheduler's actions, carried out in order, off the event loop.
 
 :meth:`Engine.apply` feeds events to the scheduler and queues the actions it
-returns; it never waits. A runner carries the jobs out — on threads in the daemon
-(:class:`ThreadRunner`), inline in tests — in the order the executor allows
+returns; it never waits. A runner carries the jobs out — on threads in the
+daemon (:class:`~kiwid.daemon.engine.runner.ThreadRunner`), inline in tests —
+in the order the executor allows
 (:mod:`kiwid.daemon.engine.executor`), and each job's outcome goes back to the scheduler
 through :meth:`Engine.finished` as events (``SwapFinished``, ``GateFailed``). So a
 30-second checkpoint, a slow freeze or a stuck lock never holds up a poll, a
@@ -15,10 +16,8 @@ Everything here runs on the loop's thread; only :meth:`Effects.carry_out
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -34,11 +33,11 @@ from kiwid.core.events import (
     Tick,
 )
 from kiwid.core.model import TenantState
-from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler, Transition
 from kiwid.core.states import Trigger
-from kiwid.daemon.engine.effects import OPERATIONS, Effects
-from kiwid.daemon.engine.executor import Executor, Job, Kind, Lanes
+from kiwid.daemon.engine.deadlines import MAY_RUN, late
+from kiwid.daemon.engine.effects import Effects
+from kiwid.daemon.engine.executor import OPERATIONS, Executor, Job, Kind, Lanes
 from kiwid.daemon.engine.records import Departed, Histogram, SwapProgress
 from kiwid.daemon.tenants.tracker import TenantInfo, TenantTracker
 
@@ -54,6 +53,10 @@ class Runner(Protocol):
     def start(self, job: Job) -> None:
         """Begin ``job``; report it when done (now, or later on the loop's thread)."""
         ...
+
+
+class EngineFailed(Exception):
+    """The scheduler failed on an event (a bug): kiwid stops and lets every tenant go."""
 
 
 class Engine:
@@ -237,7 +240,7 @@ class Engine:
             )
             events = late(job, now - started)
             self.apply(events)
-            if job.kind in _MAY_RUN and events:  # it may run: fence it
+            if job.kind in MAY_RUN and events:  # it may run: fence it
                 info = job.info or self.tracker.tenants.get(job.tenant)
                 fault = events[0] if isinstance(events[0], TenantFaulted) else None
                 self.executor.job(Kind.FENCE, job.tenant, job.gpus, info=info, fault=fault)
@@ -355,74 +358,7 @@ class Engine:
             log.debug("%s: %s -> %s (%s)", who, change.old.value, change.new.value, trigger.value)
 
 
-class EngineFailed(Exception):
-    """The scheduler failed on an event (a bug): kiwid stops and lets every tenant go."""
-
-
-class ThreadRunner:
-    """Carries each job out on a thread of its own and reports back on the loop.
-
-    A thread per job: jobs are few (a hand-over makes a handful), and no job can
-    then wait for a worker behind another job's 30-second swap. The threads are
-    daemon threads: a stuck driver call cannot keep kiwid from exiting.
-    """
-
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
-        """Report to ``engine`` on ``loop``."""
-        self._engine = engine
-        self._loop = loop
-
-    def start(self, job: Job) -> None:
-        """Run ``job`` on a new thread."""
-        threading.Thread(
-            target=self._run, args=(job,), name=f"kiwid-{job.kind.value}", daemon=True
-        ).start()
-
-    def _run(self, job: Job) -> None:
-        events = self._engine.effects.carry_out(job)
-        try:
-            self._loop.call_soon_threadsafe(self._report, job, events)
-        except RuntimeError:  # the loop is closed: kiwid is exiting
-            return
-
-    def _report(self, job: Job, events: list[Event]) -> None:
-        """Hand the job's outcome to the engine (on the loop); a failure there stops kiwid."""
-        try:
-            self._engine.finished(job, events)
-        except EngineFailed:
-            return  # logged, and the daemon told, where it failed
-
-    async def wait_idle(self) -> None:
-        """Return once no job runs."""
-        while self._engine.executor.running:
-            done = asyncio.Event()
-            self._engine.on_idle(done.set)
-            if not self._engine.executor.running:
-                break
-            await done.wait()
-
-
 def _who(info: TenantInfo | None, tenant: str) -> str:
     """A tenant as log lines name it: ``name (key)``, or the key alone."""
     name = info.identity.name if info else tenant
     return f"{name} ({tenant})" if name != tenant else tenant
-
-
-_MAY_RUN = (Kind.GATE, Kind.FOLLOW, Kind.UNGATE, Kind.RELEASE)
-"""Jobs whose call, hanging, may leave the tenant running (or let it run when it
-returns): it counts as running, and is fenced with the freezer where it can be."""
-
-
-def late(job: Job, seconds: float) -> list[Event]:
-    """What the scheduler hears of a job that ran past its deadline."""
-    operation = OPERATIONS.get(job.kind)
-    if operation is None:  # a forget: its tenant is gone
-        return []
-    reason = (
-        f"its {job.kind.value} ran past its deadline ({seconds:.0f} s, gpu.driver_timeout): "
-        "the driver call has not returned"
-    )
-    if job.kind in (*_MAY_RUN, Kind.FENCE):  # it may run (the call may yet return)
-        return [TenantFaulted(job.tenant, operation, reason, contained=False)]
-    moving = job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN, Kind.RETRY, Kind.RELEASE)
-    return [TenantFaulted(job.tenant, operation, reason, Residency.UNKNOWN if moving else None)]

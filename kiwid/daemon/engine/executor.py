@@ -68,6 +68,17 @@ _KINDS: dict[type, Kind] = {
     Retry: Kind.RETRY,
     Release: Kind.RELEASE,
 }
+OPERATIONS = {
+    Kind.GATE: "gate",
+    Kind.UNGATE: "ungate",
+    Kind.FOLLOW: "gate",
+    Kind.FENCE: "gate",
+    Kind.SWAP_OUT: "swap-out",
+    Kind.SWAP_IN: "swap-in",
+    Kind.RETRY: "retry",
+    Kind.RELEASE: "release",
+}
+"""The operation a job's fault names (a fence and a follow belong to the gate)."""
 UNDO_KINDS = frozenset({Kind.FORGET, Kind.FENCE, Kind.RETRY, Kind.RELEASE})
 """What still runs for a stuck tenant: what keeps it safe or mends it."""
 

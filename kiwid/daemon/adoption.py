@@ -78,8 +78,7 @@ def readopt(ctx: Context, poll: Callable[[Context], list[Event]]) -> None:
         events += _orphans(ctx)
     engine.apply(events)
     engine.apply([e for e in first if isinstance(e, ActivitySeen)])
-    if not state.records:
-        state.clear()
+    state.remove_if_empty()  # a gate of the first poll's may be recording its tenant now
 
 
 def _adopt(ctx: Context, record: GatedRecord) -> list[Event]:

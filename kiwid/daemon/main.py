@@ -293,7 +293,7 @@ def recover(argv: Sequence[str]) -> int:
         kept = recovery.release_all(state, records.values(), recovery.undo_with(state.dir))
         if kept or state.skipped:
             return 1
-        state.clear()
+        state.remove_if_empty()
         log.info("Nothing is gated (%d tenant(s) let go)", len(records))
         return 0
     finally:

@@ -283,7 +283,10 @@ class Daemon:
         kept = await self._bounded(release, deadline)
         with contextlib.suppress(GpuBackendError):
             ctx.backend.close()
-        if kept is None or kept:
+        ctx.workloads.save()
+        # A job that outlived the wait may have recorded a tenant since: only an
+        # empty record set is removed, and anything left is said.
+        if kept is None or kept or not ctx.state.remove_if_empty():
             left = sorted(ctx.state.records)
             log.error(
                 "Still gated after %s s: %s; run `kiwid recover` (it reads %s)",
@@ -293,8 +296,6 @@ class Daemon:
             )
             ctx.state.unlock()
             return RUNTIME_FAILURE
-        ctx.workloads.save()
-        ctx.state.clear()
         ctx.state.unlock()
         log.info("Stopped; no tenant is gated")
         return 0

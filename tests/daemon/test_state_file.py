@@ -63,3 +63,20 @@ def test_a_write_that_fails_leaves_the_records_as_the_file_has_them(
     with pytest.raises(OSError, match="No space"):
         state.drop("a")
     assert set(state.records) == {"a"}
+
+
+def test_tidying_an_empty_state_keeps_a_record_written_since_the_caller_looked(
+    tmp_path: Path,
+) -> None:
+    """At start-up re-adoption saw no records and tidied the file away while the first
+    poll's gate job recorded its tenant: the record went, and the tenant stayed frozen
+    with nothing to let it go (its ungate found no record)."""
+    state = StateFile(tmp_path / "state")
+    assert not state.records  # what the tidying caller saw
+    state.put(record("b"))  # a gate job on its thread, meanwhile
+    assert not state.remove_if_empty()
+    assert set(state.records) == {"b"}
+    assert set(StateFile(tmp_path / "state").load()) == {"b"}
+    state.drop("b")
+    assert state.remove_if_empty()
+    assert not state.path.exists()

@@ -222,15 +222,21 @@ class StateFile:
             return None
         return aside
 
-    def clear(self) -> None:
-        """Forget everything and remove the file (unless it keeps unusable records)."""
-        if self._unusable:
-            self.replace_all({})
-            return
+    def remove_if_empty(self) -> bool:
+        """Remove the file if it records nobody (and keeps no unusable records).
+
+        Decided under the write lock: a caller that saw no records may be racing a
+        gate job that records its tenant this very moment (at start-up, the first
+        poll's gates run while re-adoption tidies up), and that record must stay.
+        Returns whether nobody was recorded.
+        """
         with self._write_lock:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            self._records = MappingProxyType({})
+            if self._records:
+                return False
+            if not self._unusable:
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+            return True
 
     def _write(self, records: dict[str, GatedRecord]) -> None:
         """Write ``records``, durably; then (only then) readers see them.

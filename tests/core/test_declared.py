@@ -183,4 +183,5 @@ def test_no_tenant_is_let_go_where_declared_and_resident_memory_exceed_the_card(
             grown.add(name)
             card.grow(name, grows[name])
     card.run(300)
-    assert len({t for t, _, _ in card.turns()} | card.running) >= 2, card.log  # they rotated
+    held = {t.tenant for t in card.sched.view(card.clock.now()).tenants if t.ledger.quanta}
+    assert len(held) >= 2, card.log  # they rotated (the first holder may never have been gated)

@@ -88,7 +88,9 @@ def test_a_stuck_restore_keeps_the_holder_one_more_tq_at_most() -> None:
 
 def test_a_restore_waits_while_the_driver_shows_too_little_free_memory() -> None:
     def run(readings: bool) -> TimedCard:
-        card = TimedCard(foreign=40 * GiB, readings=readings)  # memory nobody shows
+        card = TimedCard(
+            foreign=40 * GiB, readings=readings, watch_status=True
+        )  # memory nobody shows
         three_tenants(card)
         card.run(60)  # two of them leave the card
         card.restores.clear()
@@ -107,7 +109,7 @@ def test_a_restore_waits_while_the_driver_shows_too_little_free_memory() -> None
 
 
 def test_a_holder_waiting_for_free_memory_steps_aside_after_a_tq() -> None:
-    card = TimedCard(foreign=115 * GiB)  # 25 GiB left: neither fits
+    card = TimedCard(foreign=115 * GiB, watch_status=True)  # 25 GiB left: neither fits
     card.join("a", 30)
     card.join("b", 30)
     card.run(200)

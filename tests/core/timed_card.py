@@ -73,6 +73,9 @@ class TimedCard:
     log: list[tuple[float, Action]] = field(default_factory=list)
     on_ungate: Callable[[str], None] | None = None
     """Called with each tenant let go, the moment it is (a test's check of the card)."""
+    watch_status: bool = False
+    """Whether each poll reads the status view into :attr:`seen` (it costs most of a
+    long run's time, so only the tests that read ``seen`` ask for it)."""
 
     def __post_init__(self) -> None:
         self.policy = GpuPolicy(
@@ -93,7 +96,7 @@ class TimedCard:
         self.restores: list[tuple[str, int]] = []
         """(tenant, the card's free bytes just before its restore allocated)."""
         self.seen: list[str] = []
-        """Every ``waiting_for`` the status showed at a poll."""
+        """Every ``waiting_for`` the status showed at a poll (with ``watch_status``)."""
         self.declared: dict[str, int] = {}
         """What each tenant declared it needs (bytes), as its policy told the scheduler."""
         self.peaks: dict[str, int] = {}
@@ -180,8 +183,9 @@ class TimedCard:
         """What the daemon's poll reports: the card's free memory, who worked."""
         if self.readings:
             self.do(MemoryFreeSeen("0", self.free()))
-        view = self.sched.view(self.clock.now())
-        self.seen += [t.waiting_for for t in view.tenants if t.waiting_for]
+        if self.watch_status:
+            view = self.sched.view(self.clock.now())
+            self.seen += [t.waiting_for for t in view.tenants if t.waiting_for]
         for name in sorted(self.running):
             self.do(ActivitySeen(name))
 

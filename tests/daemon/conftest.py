@@ -76,7 +76,10 @@ class Kiwid:
         return self.log.read_text(errors="replace")
 
     def wait_log(self, text: str, timeout: float = 5.0) -> None:
-        wait_for(lambda: text in self.log_text(), timeout, f"{text!r} in kiwid's log")
+        try:
+            wait_for(lambda: text in self.log_text(), timeout, f"{text!r} in kiwid's log")
+        except pytest.fail.Exception as failed:  # what it logged instead tells why
+            pytest.fail(f"{failed}; it logged:\n{self.log_text()}")
 
     def ctl(self, *args: str, user: int | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -35,6 +35,15 @@ def read_only(path: Path) -> Iterator[None]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+def recorded_in_host_ram(workdir: Path) -> bool:
+    """Whether the state file records a tenant's memory in host RAM."""
+    try:
+        doc = json.loads((workdir / "state" / "state.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    return any(r.get("swapped") for r in doc["gated"].values())
+
+
 def config(workdir: Path, **kw: object) -> str:
     text = swap_config(workdir, **{"swap": "none", **kw})
     return text.replace("[gpu]\n", '[gpu]\ndriver_timeout = 1\ngate = "freeze"\n')
@@ -159,6 +168,7 @@ def test_a_kiwid_killed_during_a_swap_out_finds_the_memory_on_the_card(
         return bool(swap and swap["direction"] == "out")
 
     wait_for(swapping_out, 10, "a swap-out under way")
+    wait_for(lambda: recorded_in_host_ram(workdir), 10, "the swap-out's write-ahead record")
     k.proc.kill()
     k.proc.wait()
     # The sim did not finish the swap: both tenants' memory is on the card.

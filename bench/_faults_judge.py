@@ -218,10 +218,10 @@ class Judge:
     def _rotation(self, snap: Snapshot, now: float, counts: Counts) -> None:
         for name, value in snap.progress.items():
             last, when = self._last.get(name, (value, now))
-            healthy = (
+            healthy = (  # a tenant kiwid does not list (None) should get turns too
                 name not in self.exempt
                 and name not in self.released
-                and self.states.get(name) not in (None, "stuck", "released")
+                and self.states.get(name) not in ("stuck", "released")
             )
             if value > last or not healthy:
                 self._last[name] = (value, now)

@@ -59,6 +59,9 @@ class CellResult:
 
     runs: int = 0
     memory: int = 0
+    rotation: int = 0
+    """Runs after which kiwid did not list a tenant whose processes live (it never gets a
+    turn again); the judge counts the other rotation violations."""
     tracebacks: int = 0
     operator: int = 0
     """Operator's actions that left a tenant stuck once every fault was cleared."""
@@ -144,6 +147,12 @@ class Matrix:
             result.operator += 1
             kill = True
         problems = self._memory()
+        forgotten = self._forgotten()
+        if forgotten:  # nothing an operator can ask for: kiwid recover brings it back
+            result.rotation += 1
+            for line in forgotten:
+                self.judge.note(f"rotation: {line}")
+            kill = True
         if kill:
             problems += self.kill_and_recover()
         if problems:
@@ -155,6 +164,27 @@ class Matrix:
         result.endings[ending] += 1
         result.seconds += time.monotonic() - started
 
+    def _forgotten(self) -> list[str]:
+        """Tenants whose processes live that kiwid no longer lists (2 s to list them)."""
+
+        def missing() -> list[str]:
+            status = self.rig.daemon.status()
+            if status is None:
+                return ["kiwid does not answer"]
+            listed = {t["id"] for gpu in status["gpus"] for t in gpu["tenants"]}
+            return [
+                f"kiwid does not list {t.name} ({t.key}), whose processes {t.pids()} live"
+                for t in self.rig.tenants
+                if t.pids() and t.key not in listed
+            ]
+
+        lines = missing()
+        deadline = time.monotonic() + 2
+        while lines and time.monotonic() < deadline:
+            time.sleep(0.1)
+            lines = missing()
+        return lines
+
     def _target(self, kind: str) -> Tenant:
         if kind == "multi":
             return max(self.rig.tenants, key=lambda t: len(t.pids()))
@@ -163,7 +193,7 @@ class Matrix:
     def _watch(self) -> None:
         """Until a tenant is stuck, or the fault is spent and nothing came of it."""
         settle = self.deadline_s + 1
-        limit = time.monotonic() + 2 * self.round_s + 2 * self.deadline_s + 4
+        limit = time.monotonic() + 2 * self.round_s + 2 * self.deadline_s
         quiet_since: float | None = None
         while time.monotonic() < limit:
             if self.judge.stuck():

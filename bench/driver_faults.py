@@ -195,7 +195,7 @@ def report(
             "runs": result.runs,
             "window": seen.window,
             "memory": result.memory,
-            "rotation": seen.rotation,
+            "rotation": seen.rotation + result.rotation,
             "tracebacks": result.tracebacks,
             "operator": result.operator,
             "endings": {e: result.endings[e] for e in ENDINGS},
@@ -228,6 +228,7 @@ def report(
             "rotation_bound_s": judge.bound_s,
             "handovers_seen": sum(r["handovers"] for r in rows.values()) + setup.handovers,
             "kiwid_handovers": figures["handover_stats"],
+            "progress_unit": "CPU seconds" if opts.sim else "iterations of GPU work",
             "progress": {n: round(v) for n, v in sorted(progress.items())},
             "progress_per_s": {n: round(v / seconds, 1) for n, v in sorted(progress.items())},
         },
@@ -283,7 +284,8 @@ def describe(rep: dict[str, Any]) -> str:
         f"rotation bound (s): {fig['rotation_bound_s']}",
         f"hand-overs seen on the card: {fig['handovers_seen']}; kiwid's own "
         f"(count, sum s) per kiwid: {fig['kiwid_handovers']}",
-        f"progress per tenant: {fig['progress']} ({fig['progress_per_s']} per s)",
+        f"progress per tenant ({fig['progress_unit']}): {fig['progress']} "
+        f"({fig['progress_per_s']} per s)",
         "[ERROR] line kinds:",
         *(f"  {n:5d}  {kind}" for kind, n in rep["errors"].items()),
     ]

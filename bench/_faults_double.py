@@ -261,6 +261,8 @@ class DoubleRig:
                     problems.append(f"{tenant.name} pid {pid}: in host RAM, no record")
                 elif proc.state == cudadir.LOCKED and pid not in recorded:
                     problems.append(f"{tenant.name} pid {pid}: locked, no record")
+            if tenant.frozen() and not set(tenant.pids()) & recorded:
+                problems.append(f"{tenant.name}: frozen (a fence), no record")
         return problems
 
     def prepare_recover(self) -> None:
@@ -285,8 +287,11 @@ class DoubleRig:
         return problems
 
     def repair(self) -> list[str]:
-        """With no kiwid: unlock by hand what no record names (as ``cuda-checkpoint
-        --toggle`` would), so that the matrix can go on. Returns what it did."""
+        """With no kiwid: unlock and thaw by hand what no record names (as ``cuda-checkpoint
+        --toggle`` and ``echo 0 > cgroup.freeze`` would), so that the matrix can go on.
+
+        Returns what it did.
+        """
         recorded = self.daemon.recorded_pids()
         done = []
         with cudadir.locked(self.double.directory):
@@ -299,6 +304,10 @@ class DoubleRig:
                         self.double.directory, replace(proc, state=cudadir.RUNNING, stuck=False)
                     )
                     done.append(f"{tenant.name} pid {pid} (state {proc.state}) unlocked by hand")
+        for tenant in self.tenants:
+            if tenant.frozen() and not set(tenant.pids()) & recorded:
+                (tenant.cgroup / "cgroup.freeze").write_text("0")
+                done.append(f"{tenant.name} thawed by hand")
         return done
 
     def hold(self, stop: bool) -> None:

@@ -193,7 +193,7 @@ class Matrix:
     def _watch(self) -> None:
         """Until a tenant is stuck, or the fault is spent and nothing came of it."""
         settle = self.deadline_s + 1
-        limit = time.monotonic() + 2 * self.round_s + 2 * self.deadline_s
+        limit = time.monotonic() + 1.5 * self.round_s + 2 * self.deadline_s
         quiet_since: float | None = None
         while time.monotonic() < limit:
             if self.judge.stuck():

@@ -75,6 +75,8 @@ class Options:
     """The operator's reaction time, drawn between the two (default: from the bound)."""
     keep_logs: bool = False
     """Keep kiwid's logs (they are kept anyway when something was found)."""
+    budget_s: float = 0.0
+    """Start no run after this many seconds (0: no limit); the runs left out are counted."""
 
 
 def all_cells(sim: bool) -> list[tuple[str, str]]:
@@ -112,6 +114,7 @@ def run_matrix(opts: Options, say: Any = print) -> dict[str, Any]:
     rig = judge = matrix = None
     cleanup: list[str] = []
     interrupted = None
+    skipped = 0
     try:
         rig = make_rig(opts, d)
         rig.start()
@@ -124,6 +127,9 @@ def run_matrix(opts: Options, say: Any = print) -> dict[str, Any]:
                 order = list(cells)
                 rng.shuffle(order)
                 for op, kind in order:
+                    if opts.budget_s and time.monotonic() - started > opts.budget_s:
+                        skipped += 1
+                        continue
                     matrix.run(op, kind)
                 took = time.monotonic() - started
                 say(f"round {round_ + 1}/{opts.runs_per_cell} done ({took:.0f} s)")
@@ -145,6 +151,7 @@ def run_matrix(opts: Options, say: Any = print) -> dict[str, Any]:
     assert matrix is not None
     rep = report(opts, cells, matrix, judge, figures, errors, cleanup, started)
     rep["interrupted"] = interrupted
+    rep["skipped"] = skipped
     rep["cgroup"] = str(rig.parent)
     if violations(rep) == 0 and not opts.keep_logs:
         shutil.rmtree(d, ignore_errors=True)
@@ -275,6 +282,7 @@ def table(rep: dict[str, Any]) -> str:
 def describe(rep: dict[str, Any]) -> str:
     fig = rep["figures"]
     out = [
+        f"runs left out (budget spent): {rep['skipped']}; interrupted: {rep['interrupted']}",
         f"set-up: window {rep['set_up']['window']}, rotation {rep['set_up']['rotation']}; "
         f"clean-up problems: {rep['cleanup'] or 'none'}",
         f"{fig['seconds']:.0f} s, {fig['samples']} samples, {fig['kills']} kill -9 + recover",
@@ -313,6 +321,9 @@ def main() -> int:
         help="the operator acts on a stuck tenant after LOW to HIGH s "
         "(default: 0.5 to 1.2 times the rotation's bound)",
     )
+    parser.add_argument(
+        "--budget", type=float, default=0.0, help="start no run after SECONDS (0: no limit)"
+    )
     parser.add_argument("--tq", type=float, default=1.0)
     parser.add_argument("--driver-timeout", type=float, default=2.0)
     parser.add_argument("--out", type=Path, help="write the report as JSON too")
@@ -334,6 +345,7 @@ def main() -> int:
         args.driver_timeout,
         tuple(args.react) if args.react else None,
         args.keep_logs,
+        args.budget,
     )
     try:
         select(all_cells(opts.sim), opts.cells)
@@ -355,6 +367,9 @@ def main() -> int:
         args.out.write_text(json.dumps(rep, indent=1, sort_keys=True))
     if rep["interrupted"]:
         return 130
+    if rep["skipped"]:
+        print(f"{rep['skipped']} runs left out: --budget spent")
+        return 1
     return 0 if violations(rep) == 0 else 1
 
 

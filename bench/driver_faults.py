@@ -115,6 +115,7 @@ def run_matrix(opts: Options, say: Any = print) -> dict[str, Any]:
     cleanup: list[str] = []
     interrupted = None
     skipped = 0
+    failed_runs: list[str] = []
     try:
         rig = make_rig(opts, d)
         rig.start()
@@ -130,7 +131,12 @@ def run_matrix(opts: Options, say: Any = print) -> dict[str, Any]:
                     if opts.budget_s and time.monotonic() - started > opts.budget_s:
                         skipped += 1
                         continue
-                    matrix.run(op, kind)
+                    try:
+                        matrix.run(op, kind)
+                    except Exception as err:  # say it, set the rig right, go on
+                        failed_runs.append(f"{op}/{kind}: {type(err).__name__}: {err}")
+                        say(f"run of {op}/{kind} failed: {failed_runs[-1]}")
+                        matrix.kill_and_recover()  # if this fails too, the matrix stops
                 took = time.monotonic() - started
                 say(f"round {round_ + 1}/{opts.runs_per_cell} done ({took:.0f} s)")
         except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, SIGTERM: report what ran
@@ -152,6 +158,7 @@ def run_matrix(opts: Options, say: Any = print) -> dict[str, Any]:
     rep = report(opts, cells, matrix, judge, figures, errors, cleanup, started)
     rep["interrupted"] = interrupted
     rep["skipped"] = skipped
+    rep["bench_errors"] = failed_runs
     rep["cgroup"] = str(rig.parent)
     if violations(rep) == 0 and not opts.keep_logs:
         shutil.rmtree(d, ignore_errors=True)
@@ -260,6 +267,7 @@ def violations(rep: dict[str, Any]) -> int:
         + rep["set_up"]["window"]
         + rep["set_up"]["rotation"]
         + len(rep["cleanup"])
+        + len(rep.get("bench_errors", []))
     )
 
 
@@ -282,7 +290,8 @@ def table(rep: dict[str, Any]) -> str:
 def describe(rep: dict[str, Any]) -> str:
     fig = rep["figures"]
     out = [
-        f"runs left out (budget spent): {rep['skipped']}; interrupted: {rep['interrupted']}",
+        f"runs left out (budget spent): {rep['skipped']}; interrupted: {rep['interrupted']}; "
+        f"runs that failed in the bench: {rep['bench_errors'] or 'none'}",
         f"set-up: window {rep['set_up']['window']}, rotation {rep['set_up']['rotation']}; "
         f"clean-up problems: {rep['cleanup'] or 'none'}",
         f"{fig['seconds']:.0f} s, {fig['samples']} samples, {fig['kills']} kill -9 + recover",

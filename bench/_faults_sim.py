@@ -1,9 +1,10 @@
 """The fault matrix on the simulated GPU, with the cgroup freezer (bench/driver_faults.py --sim).
 
 A real kiwid with ``backend = "sim"``, ``gate = "freeze"`` and ``swap =
-"checkpoint"`` (the sim's swapper) gates three busy processes, each in a cgroup2
-of its own, attached with 3 GiB each on a 10 GiB card of which 3 GiB are taken
-by memory no process shows (``sim-foreign``): they do not all fit. Faults come
+"checkpoint"`` (the sim's swapper) gates four busy processes, each in a cgroup2
+of its own, attached with 2 GiB each on a 10 GiB card of which 3 GiB are taken
+by memory no process shows (``sim-foreign``): they do not all fit (11 GiB), yet
+a released tenant, the holder and the next fit beside the reserve. Faults come
 through ``sim-fault`` (checkpoint and restore; fail, hang until cleared,
 stuck). A tenant runs when its cgroup is not frozen; its progress is its
 cgroup's CPU time. The simulated GPU keeps its memory in ``state/sim.json``,
@@ -44,9 +45,9 @@ from kiwid.adapters.control import ControlError, DaemonUnreachable
 
 OPS = ("checkpoint", "restore")
 KINDS = ("fail", "hang", "stuck")
-MEMORY = 3 * GIB
+MEMORY = 2 * GIB
 FOREIGN = 3 * GIB
-NAMES = ("s1", "s2", "s3")
+NAMES = ("s1", "s2", "s3", "s4")
 
 CONFIG = """\
 [scheduler]
@@ -84,7 +85,7 @@ def cells() -> list[tuple[str, str]]:
 
 @dataclass
 class SimRig:
-    """kiwid on the simulated GPU and three busy tenants in cgroups of their own."""
+    """kiwid on the simulated GPU and four busy tenants in cgroups of their own."""
 
     d: Path
     tq: float = 1.0

@@ -94,6 +94,10 @@ class Matrix:
     kills: int = 0
     handover_stats: list[tuple[int, float]] = field(default_factory=list)
     """kiwid's own hand-over histogram (count, sum of seconds), one per kiwid."""
+    restarts: CellResult = field(default_factory=CellResult)
+    """kiwid started again after each kill -9 and recover, while its tenants work:
+    ``memory`` counts the restarts that left a tenant gated with no record, or set
+    up no rotation."""
     index: int = 0
     _actions: int = 0
 
@@ -296,28 +300,36 @@ class Matrix:
     def kill_and_recover(self) -> list[str]:
         """kill -9 kiwid, ``kiwid recover``; every tenant runs, all its memory back; restart.
 
-        kiwid starts again while its tenants work, as systemd would restart it. A
-        restart that does not set up the rotation, or leaves a tenant gated with no
-        record, is a violation; the bench then undoes that by hand and starts kiwid
-        once more with its tenants stopped until it serves, so that the matrix can
-        go on.
+        Returns what ``kiwid recover`` left undone (the run's memory violations). What
+        it left the bench undoes by hand, so that kiwid then starts again from a
+        clean state, while its tenants work, as systemd would restart it. A restart
+        that does not set up the rotation, or leaves a tenant gated with no record,
+        is counted in :attr:`restarts`; the bench then undoes that too and starts
+        kiwid once more with its tenants stopped until it serves, so that the matrix
+        can go on.
         """
         self.kills += 1
         self.judge.pause("kiwid")
         problems = self._kill_recover_check()
+        for line in self.rig.repair():
+            self.judge.note(f"bench, after kiwid recover: {line}")
         self.rig.daemon.start()
+        self.restarts.runs += 1
         wrong = self._restarted()
         if wrong:
-            problems += [f"restart with the tenants at work: {line}" for line in wrong]
+            self.restarts.memory += 1
+            for line in wrong:
+                self.judge.note(f"restart: with the tenants at work: {line}")
             self._kill_recover_check()
             for line in self.rig.repair():
-                self.judge.note(f"bench: {line}")
+                self.judge.note(f"bench, after the restart: {line}")
             self.rig.hold(True)
             try:
                 self.rig.daemon.start()
             finally:
                 self.rig.hold(False)
-            problems += [f"restart with the tenants stopped: {line}" for line in self._restarted()]
+            for line in self._restarted():
+                self.judge.note(f"restart: with the tenants stopped: {line}")
         for tenant in self.rig.tenants:
             self.judge.set_released(tenant.name, False)
         self.judge.resume("kiwid", self.deadline_s)

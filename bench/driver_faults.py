@@ -58,6 +58,9 @@ from _faults_runs import ENDINGS, Matrix
 from _kiwid import machine
 
 VIOLATIONS = ("window", "memory", "rotation", "tracebacks", "operator")
+RESTARTS = "restart/tenants-at-work"
+"""The table's last row: kiwid started again after a kill -9 and ``kiwid recover``
+while its tenants work (``memory``: restarts that left one gated with no record)."""
 
 
 @dataclass
@@ -216,6 +219,18 @@ def report(
             "handovers": seen.handovers,
             "seconds": round(result.seconds, 1),
         }
+    restarts = matrix.restarts
+    rows[RESTARTS] = {
+        "runs": restarts.runs,
+        "window": 0,
+        "memory": restarts.memory,
+        "rotation": 0,
+        "tracebacks": 0,
+        "operator": 0,
+        "endings": dict.fromkeys(ENDINGS, 0),
+        "handovers": 0,
+        "seconds": 0.0,
+    }
     setup = judge.counts["set-up"]
     stuck = [s for _, s in matrix.stuck_for]
     seconds = time.monotonic() - started
@@ -272,16 +287,16 @@ def violations(rep: dict[str, Any]) -> int:
 
 
 def table(rep: dict[str, Any]) -> str:
-    head = f"{'cell':22s}{'runs':>5s}" + "".join(f"{v[:8]:>9s}" for v in VIOLATIONS)
+    head = f"{'cell':24s}{'runs':>5s}" + "".join(f"{v[:8]:>9s}" for v in VIOLATIONS)
     head += "".join(f"{e[:9]:>10s}" for e in ENDINGS) + f"{'s/run':>7s}"
     lines = [head]
     for key, row in rep["cells"].items():
-        line = f"{key:22s}{row['runs']:5d}" + "".join(f"{row[v]:9d}" for v in VIOLATIONS)
+        line = f"{key:24s}{row['runs']:5d}" + "".join(f"{row[v]:9d}" for v in VIOLATIONS)
         line += "".join(f"{row['endings'][e]:10d}" for e in ENDINGS)
         lines.append(line + f"{row['seconds'] / max(row['runs'], 1):7.1f}")
     totals = rep["totals"]
     lines.append(
-        f"{'total':22s}{sum(r['runs'] for r in rep['cells'].values()):5d}"
+        f"{'total':24s}{sum(r['runs'] for r in rep['cells'].values()):5d}"
         + "".join(f"{totals[v]:9d}" for v in VIOLATIONS)
     )
     return "\n".join(lines)

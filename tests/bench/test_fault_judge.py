@@ -135,3 +135,38 @@ def test_cells_are_chosen_by_pattern_and_a_pattern_that_matches_none_is_refused(
     assert driver_faults.all_cells(sim=True) == [
         (op, kind) for op in ("checkpoint", "restore") for kind in ("fail", "hang", "stuck")
     ]
+
+
+def test_the_table_has_a_row_per_cell_the_restarts_and_the_totals() -> None:
+    row = {
+        "runs": 2,
+        "window": 1,
+        "memory": 0,
+        "rotation": 3,
+        "tracebacks": 0,
+        "operator": 0,
+        "endings": {e: 1 if e == "mended" else 0 for e in driver_faults.ENDINGS},
+        "seconds": 10.0,
+    }
+    rep = {
+        "cells": {"lock/fail-999": row, driver_faults.RESTARTS: {**row, "window": 0}},
+        "totals": {"window": 1, "memory": 0, "rotation": 6, "tracebacks": 0, "operator": 0},
+        "set_up": {"window": 0, "rotation": 0},
+        "cleanup": [],
+        "bench_errors": [],
+    }
+    lines = driver_faults.table(rep).splitlines()
+    assert lines[0].split()[:7] == [
+        "cell",
+        "runs",
+        "window",
+        "memory",
+        "rotation",
+        "tracebac",
+        "operator",
+    ]
+    # runs, the five violations, the five endings (absorbed, mended, ...), s/run
+    assert " ".join(lines[1].split()) == "lock/fail-999 2 1 0 3 0 0 0 1 0 0 0 5.0"
+    assert lines[2].startswith("restart/tenants-at-work ")
+    assert " ".join(lines[3].split()) == "total 4 1 0 6 0 0"
+    assert driver_faults.violations(rep) == 7

@@ -4,7 +4,8 @@ Reads the backend (NVML or the sim), maps PIDs to tenants (the tracker), keeps a
 GPU that stopped answering out of the rotation until it answers again, reads the
 host's available RAM for the swap floor, and hands the events to the engine.
 A tenant whose memory is in host RAM is missing from the GPU's process list (as
-NVML drops a checkpointed process): the state file, which records it before its
+NVML drops a checkpointed process, swapped or left so by a failing driver call):
+the state file, which records every tenant before it is gated and before its
 memory leaves, keeps it in the table while one of its processes lives.
 """
 
@@ -33,15 +34,17 @@ _ARRIVALS = (TenantAttached, TenantDetached, GpusConfigured)
 
 
 def hidden_tenants(records: Mapping[str, GatedRecord]) -> dict[str, Hidden]:
-    """Tenants whose memory the state file records in host RAM (kept while alive).
+    """Every gated tenant the state file records, kept while alive though unlisted.
 
-    Alive means a recorded pid runs with its recorded start time: a pid reused
-    since names another process, which is never taken for the tenant.
+    Its memory may be in host RAM by a swap (the GPUs it is on recorded), or by a
+    driver call that failed and left a process checkpointed (a lock, a state
+    query): NVML lists neither, and neither tenant is gone. Alive means a
+    recorded pid runs with its recorded start time: a pid reused since names
+    another process, which is never taken for the tenant.
     """
     return {
         key: Hidden(frozenset(r.pids), frozenset(r.swapped or ()), r.pid_starts())
         for key, r in records.items()
-        if r.swapped
     }
 
 

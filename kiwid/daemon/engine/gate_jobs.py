@@ -10,6 +10,7 @@ process of it is locked, before a fence.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from kiwid.core.events import Event, Gated, TenantFaulted
 from kiwid.daemon.engine.executor import Job
@@ -35,10 +36,14 @@ def gate(tools: Tools, job: Job) -> list[Event]:
         try:
             tools.gate.gate(record)
         except GateError:
-            if before is None:
-                tools.state.drop(record.tenant)
-            else:
+            # Undo the write-ahead only if nothing holds the tenant now: a call
+            # that failed half-way (a process locked, or left CHECKPOINTED and so
+            # unlisted by NVML) must stay recorded, for its ungate and recovery,
+            # and to keep the tenant known.
+            if before is not None:
                 tools.state.put(before)
+            elif not tools.gate.holds(info):
+                tools.state.drop(record.tenant, only=record)
             raise
 
     try:
@@ -66,9 +71,18 @@ def ungate(tools: Tools, job: Job) -> list[Event]:
         tools.retrying(lambda: tools.gate.ungate(record), f"the ungate of {tenant}")
     except GateError as err:
         log.error("Could not ungate %s: %s (kept in %s)", tenant, err, tools.state.path)
-        return [TenantFaulted(tenant, "ungate", str(err), pid=err.pid, answer=err.answer)]
+        fault = TenantFaulted(tenant, "ungate", str(err), pid=err.pid, answer=err.answer)
+        if isinstance(tools.gate, CudaLockGate):
+            # The lock lets go process by process: the ones that unlocked run now,
+            # so the tenant is fenced with the freezer (or said to run).
+            return [tools.fence(job.info, replace(fault, contained=False))]
+        return [fault]  # a cgroup that did not thaw stays frozen as a whole
     try:
-        tools.state.drop(tenant)
+        if not tools.state.drop(tenant, only=record):
+            # Changed while the call ran (it ran past its deadline and was fenced
+            # meanwhile): what is recorded now is what holds the tenant.
+            log.warning("Ungated %s late; its record since is kept", tenant)
+            return []
     except OSError as err:  # it runs; its record only makes recovery try again, harmlessly
         log.warning("Ungated %s, but its record stays in %s: %s", tenant, tools.state.path, err)
     log.debug("Ungated %s", tenant)

@@ -196,9 +196,27 @@ class StateFile:
         with self._write_lock:
             self._write({**self._records, record.tenant: record})
 
-    def drop(self, tenant: str) -> None:
-        """Forget a tenant after it was ungated; durable on return."""
-        self.drop_many((tenant,))
+    def drop(self, tenant: str, only: GatedRecord | None = None) -> bool:
+        """Forget a tenant after it was ungated; durable on return.
+
+        ``only``: drop it only if its record is still this one. A job that let go
+        of what it read must not drop what another wrote since: a fence that froze
+        the tenant while the job's call hung, a gate that came after. Returns
+        whether the record was dropped (or there was none).
+        """
+        if only is None:
+            self.drop_many((tenant,))
+            return True
+        with self._write_lock:
+            current = self._records.get(tenant)
+            if current is None:
+                return True
+            if current != only:
+                return False
+            records = dict(self._records)
+            del records[tenant]
+            self._write(records)
+            return True
 
     def drop_many(self, tenants: Iterable[str]) -> None:
         """Forget several tenants with one write (recovery of thousands stays O(n))."""

@@ -83,8 +83,9 @@ Alive = Callable[[int, int | None], bool]
 class Hidden:
     """A tenant missing from the GPUs' process lists that must be kept all the same.
 
-    Its memory is in host RAM (a checkpointed process vanishes from NVML's list);
-    the state file says so, with its processes, their start times and its GPUs.
+    It is gated, and its memory may be in host RAM (a checkpointed process
+    vanishes from NVML's list); the state file says so, with its processes, their
+    start times and the GPUs its swap left (empty: the GPUs it was last seen on).
     A process counts only if its pid and its start time both match: a pid reused
     since is another process, which must never be taken for the tenant.
     """
@@ -216,12 +217,14 @@ class TenantTracker:
             if tid not in gpus:
                 gpus[tid] = set(reg.gpus)
                 pids[tid] = set(reg.pids)
-        for tid, h in keep.items():  # swapped out: invisible, not gone
+        for tid, h in keep.items():  # gated, maybe checkpointed: unlisted, not gone
             # Also beside processes of it that the GPU lists (a process it started
             # since): one tenant, all of its processes, so that all are gated.
             alive = {p for p in h.live_pids(self._alive) if self._lookup(p) is not None}
-            if alive:
-                gpus.setdefault(tid, set()).update(h.gpus)
+            seen = self.tenants.get(tid)
+            where = h.gpus or (seen.gpus if seen is not None else frozenset())
+            if alive and where:  # (GPUs not recorded, never seen: nothing to keep it on)
+                gpus.setdefault(tid, set()).update(where)
                 pids.setdefault(tid, set()).update(alive)
                 seen_pids |= alive
         lost = lost_set

@@ -1,0 +1,110 @@
+"""What the fault matrix (bench/driver_faults.py) found, each on a real kiwid.
+
+A real ``python -m kiwid`` with ``backend = "nvml"``, ``gate = "cuda-lock"`` and
+``swap = "checkpoint"`` over the driver double, as in test_driver_faults_e2e.py.
+Each test is one finding of the matrix; on kiwid before its fix, it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tests.daemon.conftest import Card
+from tests.daemon.test_driver_double_e2e import TENANT, holder
+from tests.daemon.test_driver_faults_e2e import CUDA_ERROR_UNKNOWN, start
+from tests.stand_ins import cudadir
+
+
+def records(workdir: Path) -> dict[str, dict]:
+    path = workdir / "state" / "state.json"
+    return json.loads(path.read_text())["gated"] if path.exists() else {}
+
+
+def frozen(cgroup: Path | None) -> bool:
+    assert cgroup is not None
+    return "frozen 1" in (cgroup / "cgroup.events").read_text()
+
+
+def test_a_lock_that_leaves_its_process_checkpointed_keeps_the_tenant_stuck_not_gone(
+    start_kiwid, workdir: Path, card: Card
+) -> None:
+    # A failed lock that left the process CHECKPOINTED (cuda-checkpoint issue 44's
+    # kind): NVML no longer lists it, and kiwid dropped the tenant as gone. Nobody
+    # could retry it; it stayed checkpointed and locked for good.
+    double = card.double
+    double.set_foreign(0)
+    k = start(start_kiwid, workdir, card)
+    a = card.arrive("a")
+    k.until(lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
+    b = card.arrive("b")
+    (b_pid,) = b.pids()
+    double.fault(b_pid, "lock", "stuck", times=1000)
+    key = card.key(b)
+    k.until(lambda: k.tenant(key).get("state") == "stuck", 20, "b to be stuck")
+    assert double.state(b_pid) == cudadir.CHECKPOINTED
+    deadline = time.monotonic() + 3  # several polls that do not list b
+    while time.monotonic() < deadline:
+        assert k.tenant(key).get("state") == "stuck", f"b was dropped\n{k.log_text()[-3000:]}"
+        time.sleep(0.1)
+    done = b.progress()
+    double.clear(b_pid, "lock")
+    out = k.ctl("retry", key)
+    assert out.returncode == 0, out.stdout + out.stderr
+    k.until(lambda: b.progress() > done, 20, "b to work again")
+
+
+def test_a_two_process_ungate_that_fails_half_way_is_fenced(
+    start_kiwid, workdir: Path, card: Card
+) -> None:
+    # The first process unlocked, the second refused: the tenant was stuck as
+    # "contained" while its first process ran beside the next holder.
+    double = card.double
+    double.set_foreign(0)
+    k = start(start_kiwid, workdir, card)
+    a = card.arrive("a")
+    k.until(lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
+    b = card.arrive("b", TENANT // 2, processes=2)
+    first, second = b.pids()
+    k.until(lambda: double.state(second) != cudadir.RUNNING, 10, "b to be gated")
+    double.fault(second, "unlock", "fail", CUDA_ERROR_UNKNOWN, times=1000)
+    key = card.key(b)
+    k.until(lambda: k.tenant(key).get("state") == "stuck", 20, "b to be stuck")
+    reason = k.tenant(key)["stuck_reason"]
+    assert reason["operation"] == "ungate", reason
+    k.until(lambda: frozen(b.cgroup), 5, "b's cgroup fenced")
+    assert double.state(first) == cudadir.RUNNING  # unlocked: only the fence holds it
+    assert reason["contained"], reason
+    stalled = b.progress()
+    k.until(lambda: holder(k) == card.key(a), 10, "a to hold again")
+    time.sleep(1)  # a stretch of a's turn: b's unlocked process must not work in it
+    assert b.progress() == stalled
+    double.clear(second, "unlock")
+    assert k.stop() == 0
+    assert not frozen(b.cgroup)
+    assert double.state(first) == double.state(second) == cudadir.RUNNING
+
+
+def test_an_ungate_that_returns_after_its_deadline_keeps_the_fence_it_got_meanwhile(
+    start_kiwid, workdir: Path, card: Card
+) -> None:
+    # The unlock hung past gpu.driver_timeout; kiwid fenced the tenant with the
+    # freezer (recorded). Then the unlock returned, and its job dropped the record:
+    # the tenant stayed frozen with nothing recorded to thaw it, even after a stop.
+    double = card.double
+    double.set_foreign(0)
+    k = start(start_kiwid, workdir, card, timeout=1)
+    a = card.arrive("a")
+    k.until(lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
+    b = card.arrive("b")
+    (b_pid,) = b.pids()
+    k.until(lambda: double.state(b_pid) != cudadir.RUNNING, 10, "b to be gated")
+    double.fault(b_pid, "unlock", "hang")  # until cleared
+    key = card.key(b)
+    k.until(lambda: records(workdir).get(key, {}).get("fenced"), 20, "b fenced")
+    double.clear(b_pid, "unlock")  # the hung unlock returns
+    k.wait_log("ran past its deadline returned")
+    assert records(workdir).get(key, {}).get("fenced"), "the fence's record is gone"
+    assert k.stop() == 0
+    assert not frozen(b.cgroup), "b left frozen"

@@ -108,3 +108,31 @@ def test_an_ungate_that_returns_after_its_deadline_keeps_the_fence_it_got_meanwh
     assert records(workdir).get(key, {}).get("fenced"), "the fence's record is gone"
     assert k.stop() == 0
     assert not frozen(b.cgroup), "b left frozen"
+
+
+def test_a_checkpoint_that_returns_after_the_operators_release_fences_nothing(
+    start_kiwid, workdir: Path, card: Card
+) -> None:
+    # The checkpoint hung past its deadline; the operator released the tenant
+    # (restored, unlocked: it runs). Then the checkpoint returned, refused (the
+    # process ran), and its job fenced the tenant with the freezer: frozen while
+    # kiwid said it ran, and never seen working again, even after a retry.
+    double = card.double
+    k = start(start_kiwid, workdir, card)
+    a = card.arrive("a")
+    k.until(lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
+    b = card.arrive("b")
+    (b_pid,) = b.pids()
+    k.until(lambda: double.state(b_pid) == cudadir.CHECKPOINTED, 10, "b in host RAM")
+    (a_pid,) = a.pids()
+    double.fault(a_pid, "checkpoint", "hang")
+    key = card.key(a)
+    k.until(lambda: k.tenant(key).get("state") == "stuck", 30, "a to be stuck")
+    release = k.ctl("release", key)
+    assert release.returncode == 0, release.stdout + release.stderr
+    k.until(lambda: k.tenant(key).get("state") == "released", 10, "a released")
+    double.clear(a_pid, "checkpoint")  # the hung call returns
+    k.wait_log("that ran past its deadline returned", 20)
+    assert not frozen(a.cgroup), f"a fenced after its release\n{k.log_text()[-3000:]}"
+    done = a.progress()
+    k.until(lambda: a.progress() > done, 10, "a, released, to work")

@@ -80,3 +80,20 @@ def test_tidying_an_empty_state_keeps_a_record_written_since_the_caller_looked(
     state.drop("b")
     assert state.remove_if_empty()
     assert not state.path.exists()
+
+
+def test_a_late_job_replaces_or_drops_only_the_record_it_read(tmp_path: Path) -> None:
+    """A job whose call returned after its deadline finds its tenant's record
+    changed since (fenced by kiwid, dropped at an operator's release): it must
+    neither overwrite nor drop what was written after it read."""
+    state = StateFile(tmp_path / "state")
+    read = record("a")
+    state.put(read)
+    fenced = GatedRecord("a", "cuda-lock", "/kiwi-test/a", None, (123,), fenced=True)
+    state.put(fenced)  # written meanwhile
+    assert not state.drop("a", only=read)
+    assert not state.put(record("a"), only=read)
+    assert state.records["a"] == fenced
+    assert state.put(record("a"), only=fenced)
+    assert state.drop("a", only=record("a"))
+    assert not state.records

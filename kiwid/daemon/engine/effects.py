@@ -92,7 +92,8 @@ class Effects:
         reason = f"internal error during its {job.kind.value}: {err!r}"
         record = self.tools.state.records.get(job.tenant)
         if job.kind in (Kind.GATE, Kind.FOLLOW, Kind.FENCE):
-            return [self.tools.fence(job.info, TenantFaulted(job.tenant, operation, reason))]
+            fault = TenantFaulted(job.tenant, operation, reason)
+            return [self.tools.fence(job.info, fault, job.given_up)]
         where: Residency | None = None
         if record is not None:
             try:

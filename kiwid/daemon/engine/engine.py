@@ -230,6 +230,7 @@ class Engine:
             started = self._started.pop(job, now)
             self.executor.finish(job)
             self.abandoned[job] = started
+            job.given_up.set()
             self.generation += 1
             log.error(
                 "The %s of %s ran past its deadline (%.0f s; gpu.driver_timeout): its "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -112,6 +113,9 @@ class Job:
     """For a follow: the new processes to lock (pid -> start time)."""
     fault: TenantFaulted | None = None
     """For a fence: the fault that made it stuck (told again once it is fenced)."""
+    given_up: threading.Event = field(default_factory=threading.Event)
+    """Set when it ran past its deadline: kiwid (a fence, an operator) deals with its
+    tenant since, and a call that returns late must not fence it on its own."""
 
 
 class Executor:

@@ -51,7 +51,7 @@ def gate(tools: Tools, job: Job) -> list[Event]:
     except GateError as err:
         log.error("Could not gate %s: %s", who(info, job.tenant), err)
         fault = TenantFaulted(job.tenant, "gate", str(err), pid=err.pid, answer=err.answer)
-        return [tools.fence(info, fault)]
+        return [tools.fence(info, fault, job.given_up)]
     log.debug("Gated %s", who(info, job.tenant))
     return [Gated(job.tenant)]
 
@@ -75,7 +75,7 @@ def ungate(tools: Tools, job: Job) -> list[Event]:
         if isinstance(tools.gate, CudaLockGate):
             # The lock lets go process by process: the ones that unlocked run now,
             # so the tenant is fenced with the freezer (or said to run).
-            return [tools.fence(job.info, replace(fault, contained=False))]
+            return [tools.fence(job.info, replace(fault, contained=False), job.given_up)]
         return [fault]  # a cgroup that did not thaw stays frozen as a whole
     try:
         if not tools.state.drop(tenant, only=record):
@@ -107,7 +107,7 @@ def follow(tools: Tools, job: Job) -> list[Event]:
         reason = f"its new process could not be locked: {err}"
         log.error("%s: %s", who(job.info, job.tenant), reason)
         fault = TenantFaulted(job.tenant, "gate", reason, pid=pid, answer=answer)
-        return [tools.fence(job.info, fault)]
+        return [tools.fence(job.info, fault, job.given_up)]
     log.info("Locked %s's new process %s", who(job.info, job.tenant), ", ".join(map(str, new)))
     return []
 

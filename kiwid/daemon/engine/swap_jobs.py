@@ -71,7 +71,7 @@ def _out(tools: Tools, swapper: Swapper, job: Job, record: GatedRecord) -> Event
     except SwapError as err:
         placement = swapper.placement(swapped)
         if placement.where is R.RESIDENT and not placement.runs:
-            tools.state.put(record)  # all of it is where it was
+            tools.state.put(record, only=swapped)  # all of it is where it was
             guards.checkpoint_failed(job.tenant, str(err), err.unsupported)
             log.error("Swap failed: out of %s: %s; it keeps its memory on the GPU", name, err)
             return SwapFinished(
@@ -101,7 +101,7 @@ def _in(tools: Tools, swapper: Swapper, job: Job, record: GatedRecord) -> Event:
         if placement.where is not R.RESIDENT or placement.runs:
             return _faulted(tools, job, "swap-in", err, placement)
         log.warning("The restore of %s said %s, yet all of it is back: taken as done", name, err)
-    tools.state.put(replace(record, swapped=None, swap_method=None))
+    tools.state.put(replace(record, swapped=None, swap_method=None), only=record)
     seconds = tools.clock() - started
     moved = sum(coming.values())
     _log_moved("in", name, moved, seconds)
@@ -132,7 +132,7 @@ def _faulted(
         answer=err.answer,
     )
     if placement.runs:
-        return tools.fence(job.info, fault)
+        return tools.fence(job.info, fault, job.given_up)
     return fault
 
 

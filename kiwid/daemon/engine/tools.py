@@ -7,6 +7,7 @@ Shared by the job modules (:mod:`.gate_jobs`, :mod:`.swap_jobs`, :mod:`.mend_job
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -101,12 +102,21 @@ class Tools:
         except OSError as err:
             log.warning("Cannot record why %s is stuck: %s", fault.tenant, err)
 
-    def fence(self, info: TenantInfo | None, fault: TenantFaulted) -> TenantFaulted:
+    def fence(
+        self, info: TenantInfo | None, fault: TenantFaulted, given_up: threading.Event | None = None
+    ) -> TenantFaulted:
         """Freeze a tenant whose lock cannot be trusted; the fault, told as it now stands.
 
         The fence is recorded ahead of the freeze (so recovery thaws it). Without a
         fence (the freezer gate, no record, no cgroup) the fault says it may run.
+        ``given_up``: the job's, set once it ran past its deadline. A call that
+        returns that late finds the tenant dealt with since (fenced by kiwid,
+        released or retried by an operator): it fences nothing, or it would freeze
+        a tenant that an operator let run.
         """
+        if given_up is not None and given_up.is_set():
+            log.warning("%s: not fenced, its call returned late: %s", fault.tenant, fault.reason)
+            return fault
         gate = self.gate
         if not isinstance(gate, CudaLockGate) or info is None:
             return _as(fault, contained=False, why="no fence")

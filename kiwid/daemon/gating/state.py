@@ -191,10 +191,17 @@ class StateFile:
 
     # ------------------------------------------------------------ writing
 
-    def put(self, record: GatedRecord) -> None:
-        """Record a tenant as (about to be) gated; durable on return."""
+    def put(self, record: GatedRecord, only: GatedRecord | None = None) -> bool:
+        """Record a tenant as (about to be) gated; durable on return.
+
+        ``only``: replace its record only if that is still this one (see
+        :meth:`drop`). Returns whether it was written.
+        """
         with self._write_lock:
+            if only is not None and self._records.get(record.tenant) != only:
+                return False
             self._write({**self._records, record.tenant: record})
+            return True
 
     def drop(self, tenant: str, only: GatedRecord | None = None) -> bool:
         """Forget a tenant after it was ungated; durable on return.

@@ -40,10 +40,9 @@ rate seen so far on that GPU, plus a second). The hand-over then moves the gate.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
-from kiwid.core import memory, rotation, snapshot
+from kiwid.core import faults, memory, rotation, snapshot
 from kiwid.core.events import (
     Action,
     ActivitySeen,
@@ -59,7 +58,6 @@ from kiwid.core.events import (
     Release,
     ReleaseAsked,
     Released,
-    Retry,
     RetryAsked,
     SwapFinished,
     TenantAdopted,
@@ -72,10 +70,10 @@ from kiwid.core.events import (
 )
 from kiwid.core.ledger import LedgerView
 from kiwid.core.model import GpuId, GpuPolicy, Mode, TenantId, TenantState
-from kiwid.core.residency import Move, Residency, move, settle
+from kiwid.core.residency import Move, Residency, move
 from kiwid.core.states import Trigger
 from kiwid.core.table import TenantTable, Transition
-from kiwid.core.tenant import Fault, TenantRecord
+from kiwid.core.tenant import TenantRecord
 from kiwid.core.view import SchedulerView
 
 __all__ = ["Scheduler", "Transition"]
@@ -155,20 +153,20 @@ class Scheduler:
             case SwapFinished():
                 scope = self._swap_finished(event, now)
             case Gated(tenant=tid):
-                scope = self._gated(tid, now)
+                scope = faults.gated(self._t, tid, now)
             case TenantFaulted():
-                scope = self._faulted(event, now)
+                scope = faults.faulted(self._t, event, now)
             case RetryAsked(tenant=tid):
-                scope = self._retry_asked(tid, now, actions)
+                scope = faults.retry_asked(self._t, tid, now, actions)
             case Mended(tenant=tid, memory=found):
-                scope = self._mended(tid, found, now)
+                scope = faults.mended(self._t, tid, found, now)
             case ReleaseAsked(tenant=tid):
                 tenant = table.tenants.get(tid)
                 if tenant is not None and tenant.state is S.STUCK and not tenant.mending:
                     tenant.mending = True
                     actions.append(Release(tid))
             case Released():
-                scope = self._released(event, now)
+                scope = faults.released(self._t, event, now)
             case TenantAdopted(tenant=tid, swapped=swapped):
                 scope = self._adopt(tid, swapped, now)
             case TenantPolicySet(tenant=tid, policy=tenant_policy):
@@ -358,85 +356,6 @@ class Scheduler:
         )
         if tenant.state is S.HOLDER:
             table.requeue(tenant, Trigger.SWAP_IN_FAILED, now)
-        return set(tenant.gpus)
-
-    # ------------------------------------------------------------ faults
-
-    def _gated(self, tid: TenantId, now: float) -> set[GpuId]:
-        """A gate took: the tenant no longer runs (and a loose stuck one is mended)."""
-        tenant = self._t.tenants.get(tid)
-        if tenant is None:
-            return set()
-        if not tenant.answer_gate():  # stale, or superseded by a later let-go
-            return set(tenant.gpus)  # it may no longer be in the way of anyone
-        answered = tenant.gates_done == tenant.gates_asked
-        if tenant.state is S.STUCK and tenant.loose and tenant.gated and answered:
-            self._t.set_state(tenant, Trigger.GATE_MENDED, now)
-            tenant.fault = None
-            tenant.regate_at = math.inf
-            tenant.seq = self._t.next_seq()
-        return set(tenant.gpus)
-
-    def _faulted(self, event: TenantFaulted, now: float) -> set[GpuId]:
-        tenant = self._t.tenants.get(event.tenant)
-        if tenant is None:
-            return set()
-        if event.operation == "gate" and not tenant.answer_gate():
-            return set(tenant.gpus)  # a gate it no longer needs (let go since) failed
-        fault = Fault(event.operation, event.reason, now, event.contained, event.pid, event.answer)
-        self._t.fault(tenant, fault, event.memory, now)
-        return set(tenant.gpus)
-
-    def _retry_asked(self, tid: TenantId, now: float, actions: list[Action]) -> set[GpuId]:
-        table = self._t
-        tenant = table.tenants.get(tid)
-        if tenant is None or tenant.mending:
-            return set()
-        if tenant.state is S.RELEASED:
-            table.set_state(tenant, Trigger.RETRIED, now)
-            tenant.released_note = None
-            return set(tenant.gpus)
-        if tenant.state is not S.STUCK:
-            return set()
-        if tenant.loose:  # its gate did not take: try it now rather than at regate_at
-            tenant.regate_at = now
-            return set(tenant.gpus)
-        tenant.mending = True
-        actions.append(Retry(tid))
-        return set()
-
-    def _mended(self, tid: TenantId, found: Residency, now: float) -> set[GpuId]:
-        table = self._t
-        tenant = table.tenants.get(tid)
-        if tenant is None or tenant.state is not S.STUCK:
-            return set()
-        tenant.residency = settle(tenant.residency, found)
-        table.set_state(tenant, Trigger.RETRIED, now)
-        tenant.fault = None
-        tenant.mending = False
-        tenant.gated = True
-        tenant.regate_at = math.inf
-        tenant.retry_at = -math.inf
-        tenant.seq = table.next_seq()
-        return set(tenant.gpus)
-
-    def _released(self, event: Released, now: float) -> set[GpuId]:
-        table = self._t
-        tenant = table.tenants.get(event.tenant)
-        if tenant is None or tenant.state is not S.STUCK:
-            return set()
-        tenant.mending = False
-        if not event.complete:
-            fault = Fault("release", event.note, now, event.contained)
-            table.fault(tenant, fault, None, now)
-            return set(tenant.gpus)
-        tenant.residency = settle(tenant.residency, R.RESIDENT)
-        table.set_state(tenant, Trigger.RELEASED, now)
-        tenant.fault = None
-        tenant.gated = False
-        tenant.regate_at = math.inf
-        tenant.released_note = event.note or None
-        tenant.last_active = now
         return set(tenant.gpus)
 
     def _learn_restore_rate(self, tenant: TenantRecord, event: SwapFinished) -> None:

@@ -1,0 +1,103 @@
+"""Stuck tenants: a fault that makes one, a gate that mends one, an operator's word.
+
+The handlers of :class:`~kiwid.core.scheduler.Scheduler` for ``Gated``,
+``TenantFaulted``, ``RetryAsked``, ``Mended`` and ``Released``. Each changes the
+table and returns the GPUs whose rotation must be looked at again.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kiwid.core.events import Action, Released, Retry, TenantFaulted
+from kiwid.core.model import GpuId, TenantId, TenantState
+from kiwid.core.residency import Residency, settle
+from kiwid.core.states import Trigger
+from kiwid.core.table import TenantTable
+from kiwid.core.tenant import Fault
+
+S = TenantState
+R = Residency
+
+
+def gated(table: TenantTable, tid: TenantId, now: float) -> set[GpuId]:
+    """A gate took: the tenant no longer runs (and a loose stuck one is mended)."""
+    tenant = table.tenants.get(tid)
+    if tenant is None:
+        return set()
+    if not tenant.answer_gate():  # stale, or superseded by a later let-go
+        return set(tenant.gpus)  # it may no longer be in the way of anyone
+    answered = tenant.gates_done == tenant.gates_asked
+    if tenant.state is S.STUCK and tenant.loose and tenant.gated and answered:
+        table.set_state(tenant, Trigger.GATE_MENDED, now)
+        tenant.fault = None
+        tenant.regate_at = math.inf
+        tenant.seq = table.next_seq()
+    return set(tenant.gpus)
+
+
+def faulted(table: TenantTable, event: TenantFaulted, now: float) -> set[GpuId]:
+    """An operation on the tenant failed for good: it is stuck (unless the gate is moot)."""
+    tenant = table.tenants.get(event.tenant)
+    if tenant is None:
+        return set()
+    if event.operation == "gate" and not tenant.answer_gate():
+        return set(tenant.gpus)  # a gate it no longer needs (let go since) failed
+    fault = Fault(event.operation, event.reason, now, event.contained, event.pid, event.answer)
+    table.fault(tenant, fault, event.memory, now)
+    return set(tenant.gpus)
+
+
+def retry_asked(table: TenantTable, tid: TenantId, now: float, actions: list[Action]) -> set[GpuId]:
+    """An operator asks to try a stuck (or released) tenant again."""
+    tenant = table.tenants.get(tid)
+    if tenant is None or tenant.mending:
+        return set()
+    if tenant.state is S.RELEASED:
+        table.set_state(tenant, Trigger.RETRIED, now)
+        tenant.released_note = None
+        return set(tenant.gpus)
+    if tenant.state is not S.STUCK:
+        return set()
+    if tenant.loose:  # its gate did not take: try it now rather than at regate_at
+        tenant.regate_at = now
+        return set(tenant.gpus)
+    tenant.mending = True
+    actions.append(Retry(tid))
+    return set()
+
+
+def mended(table: TenantTable, tid: TenantId, found: Residency, now: float) -> set[GpuId]:
+    """The retry worked: the tenant is gated, its memory where the driver found it, and queued."""
+    tenant = table.tenants.get(tid)
+    if tenant is None or tenant.state is not S.STUCK:
+        return set()
+    tenant.residency = settle(tenant.residency, found)
+    table.set_state(tenant, Trigger.RETRIED, now)
+    tenant.fault = None
+    tenant.mending = False
+    tenant.gated = True
+    tenant.regate_at = math.inf
+    tenant.retry_at = -math.inf
+    tenant.seq = table.next_seq()
+    return set(tenant.gpus)
+
+
+def released(table: TenantTable, event: Released, now: float) -> set[GpuId]:
+    """An operator's release ended: the tenant runs ungated, or stays stuck if it was not whole."""
+    tenant = table.tenants.get(event.tenant)
+    if tenant is None or tenant.state is not S.STUCK:
+        return set()
+    tenant.mending = False
+    if not event.complete:
+        fault = Fault("release", event.note, now, event.contained)
+        table.fault(tenant, fault, None, now)
+        return set(tenant.gpus)
+    tenant.residency = settle(tenant.residency, R.RESIDENT)
+    table.set_state(tenant, Trigger.RELEASED, now)
+    tenant.fault = None
+    tenant.gated = False
+    tenant.regate_at = math.inf
+    tenant.released_note = event.note or None
+    tenant.last_active = now
+    return set(tenant.gpus)

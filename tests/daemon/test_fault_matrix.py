@@ -38,17 +38,6 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: it makes and freezes cgroups"),
 ]
 
-KIWID_FAULTS = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the matrix finds kiwid at fault (reported, to be fixed in kiwid, then this marker "
-    "goes): a kiwid started while its tenants work loses the records of the tenants it gates "
-    "at once (locked or frozen with no record); a two-process tenant whose ungate fails half-way "
-    "is stuck as contained while a process of it runs; a lock or state call that leaves a "
-    "process checkpointed makes kiwid drop its tenant as gone; an ungate that returns after its "
-    "deadline drops the record of the fence it got meanwhile (frozen, no record)",
-)
-
 
 @pytest.fixture(autouse=True)
 def no_leftovers() -> Iterator[None]:
@@ -66,7 +55,6 @@ def cleaned_up(rep: dict) -> None:
     assert not Path(rep["cgroup"]).exists(), f"{rep['cgroup']} left behind"
 
 
-@KIWID_FAULTS
 @pytest.mark.timeout(900)
 def test_every_fault_against_every_operation_on_the_driver_double(tmp_path: Path) -> None:
     try:
@@ -96,7 +84,6 @@ def test_every_fault_against_every_operation_on_the_driver_double(tmp_path: Path
     assert rep["cells"][driver_faults.RESTARTS]["runs"] == rep["figures"]["kills"]
 
 
-@KIWID_FAULTS
 @pytest.mark.timeout(400)
 def test_the_sim_faults_against_checkpoint_and_restore_with_the_freezer() -> None:
     opts = driver_faults.Options(

@@ -190,3 +190,36 @@ def test_a_wait_has_no_bound_while_a_restore_waits_for_memory_nobody_kiwid_knows
 
     wait_for(bounded, 15, "the bounds back once the memory is free")
     assert {a.key, b.key} == set(k.tenant_states())
+
+
+def test_a_checkpoint_that_returns_after_a_release_brings_the_memory_back(
+    start_kiwid, tenants, workdir
+) -> None:
+    # Found by the fault matrix (--sim, checkpoint/hang): a's checkpoint hung past its
+    # deadline, the operator released a (it runs), and then the checkpoint finished:
+    # a ran with its memory in host RAM and no record, and kiwid dropped it as gone.
+    timeouts = "[gpu]\ndriver_timeout = 1\ngate_timeout = 1\n"
+    (workdir / "kiwi.toml").write_text(swap_config(workdir, tq=1).replace("[gpu]\n", timeouts, 1))
+    k = start_kiwid()
+    a, b = tenants("a"), tenants("b")
+    k.attach(a.pid, memory=4 * GiB)
+    wait_for(lambda: holder(k) == a.key, 5, "a to hold the GPU")
+    k.call("sim-fault", {"pid": a.pid, "op": "checkpoint", "fault": "hang"})
+    k.attach(b.pid, memory=4 * GiB)  # a's turn ends: its memory is to go out
+    wait_for(
+        lambda: k.tenant_states().get(a.key) == "stuck", 15, "a's checkpoint past its deadline"
+    )
+    released = k.ctl("release", a.key)
+    assert released.returncode == 0, (released.stderr, k.log_text())
+    k.call("sim-fault", {"pid": a.pid, "op": "checkpoint", "fault": "none"})  # it finishes
+    k.wait_log("that ran past its deadline returned after", 10)
+    wait_for(lambda: not swapped(workdir, a), 5, "a's memory back on the card")
+    # It runs: released still, or (seen unlisted for a poll while its memory was
+    # out) a tenant again that takes its turns with the others.
+    wait_for(lambda: a.key in k.tenant_states(), 5, "a, a tenant kiwid knows")
+
+    def runs() -> bool:
+        return not a.frozen() and k.tenant_states().get(a.key) in ("released", "holder")
+
+    wait_for(runs, 15, "a to run again")
+    assert not swapped(workdir, a)

@@ -21,6 +21,7 @@ from kiwid.core.events import Event, MemoryFreeSeen, SwapFinished, TenantFaulted
 from kiwid.core.residency import Residency
 from kiwid.daemon.engine.executor import Job, Kind
 from kiwid.daemon.engine.tools import Tools, who
+from kiwid.daemon.gating.gates import GateError
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.swap import Placement, SwapError, Swapper
 
@@ -78,10 +79,40 @@ def _out(tools: Tools, swapper: Swapper, job: Job, record: GatedRecord) -> Event
                 job.tenant, "out", ok=False, reason=str(err), unswappable=err.unsupported
             )
         return _faulted(tools, job, "swap-out", err, placement)
+    if job.given_up.is_set() and tools.state.records.get(job.tenant) != swapped:
+        return _undo_late_out(tools, swapper, job, swapped)
     seconds = tools.clock() - started
     moved = sum(sizes.values())
     _log_moved("out", name, moved, seconds)
     return SwapFinished(job.tenant, "out", ok=True, moved_bytes=moved, seconds=seconds)
+
+
+def _undo_late_out(tools: Tools, swapper: Swapper, job: Job, swapped: GatedRecord) -> Event:
+    """Bring back the memory a checkpoint moved out after its deadline.
+
+    It moved it behind the back of whoever dealt with the tenant since (an
+    operator's release dropped its record and let it run): the memory comes back,
+    and a tenant let go runs again. Unseen, it would run with its memory in host
+    RAM, unlisted by the GPU and with no record: dropped as gone, and stranded.
+    """
+    name = who(job.info, job.tenant)
+    let_go = tools.state.records.get(job.tenant) is None
+    try:
+        swapper.swap_in(swapped)
+    except SwapError as err:
+        tools.state.put(swapped)  # where its memory is: kept, and restored by recovery
+        reason = f"its checkpoint returned late and moved its memory to host RAM: {err}"
+        log.error("%s: %s", name, reason)
+        return TenantFaulted(job.tenant, "swap-out", reason, R.HOST, pid=err.pid)
+    if let_go:
+        try:
+            tools.gate.ungate(swapped)  # restored gated (locked): as it was, it runs
+        except GateError as err:
+            tools.state.put(replace(swapped, swapped=None, swap_method=None))
+            log.error("%s: restored after a late checkpoint, but not let go: %s", name, err)
+            return TenantFaulted(job.tenant, "swap-out", str(err), R.RESIDENT, pid=err.pid)
+    log.warning("%s: its checkpoint returned late; its memory is back on the card", name)
+    return SwapFinished(job.tenant, "out", ok=False, reason="returned late: undone")
 
 
 def _in(tools: Tools, swapper: Swapper, job: Job, record: GatedRecord) -> Event:

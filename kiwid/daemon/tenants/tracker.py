@@ -160,6 +160,8 @@ class TenantTracker:
         self._by_pid: dict[int, Identity] = {}
         self.tenants: dict[str, TenantInfo] = {}
         self._last_key: object = None
+        self._listed: set[str] = set()
+        """Tenants a GPU listed a process of (not only announced by kiwi-hook)."""
         self.registered: dict[str, Registration] = {}
         """Containers that kiwi-hook announced, by tenant key (names, cgroup, GPUs)."""
         self._registry_version = 0
@@ -213,6 +215,7 @@ class TenantTracker:
                 memory[slot] = None if used is None or known is None else known + used
                 if proc.pid in sample.active_pids:
                     active.add(ident.key)
+        self._listed |= set(pids)
         for tid, reg in self.registered.items():  # containers announced by kiwi-hook
             if tid not in gpus:
                 gpus[tid] = set(reg.gpus)
@@ -221,9 +224,12 @@ class TenantTracker:
             # Also beside processes of it that the GPU lists (a process it started
             # since): one tenant, all of its processes, so that all are gated.
             alive = {p for p in h.live_pids(self._alive) if self._lookup(p) is not None}
-            seen = self.tenants.get(tid)
+            # Not swapped: kept on the GPUs it was listed on (a failed lock left a
+            # process checkpointed). A container only announced, never listed, and
+            # unregistered since, is gone whatever its record says.
+            seen = self.tenants.get(tid) if tid in self._listed else None
             where = h.gpus or (seen.gpus if seen is not None else frozenset())
-            if alive and where:  # (GPUs not recorded, never seen: nothing to keep it on)
+            if alive and where:
                 gpus.setdefault(tid, set()).update(where)
                 pids.setdefault(tid, set()).update(alive)
                 seen_pids |= alive
@@ -236,6 +242,7 @@ class TenantTracker:
                 seen_pids |= info.pids
         for pid in set(self._by_pid) - seen_pids:
             del self._by_pid[pid]
+        self._listed &= set(pids)
         return self._diff(pids, gpus, memory, active, now)
 
     def register(self, reg: Registration) -> None:

@@ -44,9 +44,8 @@ from kiwid.config.schema import (
     SchedulerSettings,
     ServiceLimits,
     Settings,
-    TenantMatch,
-    TenantRule,
 )
+from kiwid.config.tenant_rules import TenantMatch, TenantRule
 from kiwid.linux.files import NotRegularFile, TooLarge, describe_mode, read_regular
 
 DEFAULT_PATH = Path("/etc/kiwi.toml")

@@ -22,9 +22,9 @@ from kiwid.config.schema import (
     MODES,
     NEWCOMERS,
     SWAPS,
-    TENANT_SWAPS,
     ServiceLimits,
 )
+from kiwid.config.tenant_rules import TENANT_SWAPS
 from kiwid.core.model import TenantPolicy
 from kiwid.core.quantity import MEMORY_RANGE, QuantityError, declared_bytes
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiwid.config.schema import TenantMatch, TenantRule
+from kiwid.config.tenant_rules import TenantMatch, TenantRule
 from kiwid.daemon.tenants.policy import PolicyBook, resolve
 from kiwid.daemon.tenants.tracker import Identity, TenantInfo
 

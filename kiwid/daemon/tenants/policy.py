@@ -24,7 +24,7 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kiwid.config.schema import TenantMatch, TenantRule
+from kiwid.config.tenant_rules import TenantMatch, TenantRule
 from kiwid.core.events import TenantPolicySet
 from kiwid.core.model import TenantPolicy, TenantSwap
 from kiwid.core.quantity import shown_bytes

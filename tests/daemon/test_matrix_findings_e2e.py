@@ -11,10 +11,11 @@ import json
 import time
 from pathlib import Path
 
-from tests.daemon.conftest import Card
+from tests.daemon.conftest import Card, Kiwid
 from tests.daemon.test_driver_double_e2e import TENANT, holder
 from tests.daemon.test_driver_faults_e2e import CUDA_ERROR_UNKNOWN, start
 from tests.stand_ins import cudadir
+from tests.stand_ins.cudadouble import CudaTenant
 
 
 def records(workdir: Path) -> dict[str, dict]:
@@ -27,6 +28,15 @@ def frozen(cgroup: Path | None) -> bool:
     return "frozen 1" in (cgroup / "cgroup.events").read_text()
 
 
+def a_holds(start_kiwid, workdir: Path, card: Card, **kw: float) -> tuple[Kiwid, CudaTenant]:
+    """kiwid on a card with no foreign memory, and ``a`` holding its GPU."""
+    card.double.set_foreign(0)
+    k = start(start_kiwid, workdir, card, **kw)
+    a = card.arrive("a")
+    k.until(lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
+    return k, a
+
+
 def test_a_lock_that_leaves_its_process_checkpointed_keeps_the_tenant_stuck_not_gone(
     start_kiwid, workdir: Path, card: Card
 ) -> None:
@@ -34,10 +44,7 @@ def test_a_lock_that_leaves_its_process_checkpointed_keeps_the_tenant_stuck_not_
     # kind): NVML no longer lists it, and kiwid dropped the tenant as gone. Nobody
     # could retry it; it stayed checkpointed and locked for good.
     double = card.double
-    double.set_foreign(0)
-    k = start(start_kiwid, workdir, card)
-    a = card.arrive("a")
-    k.until(lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
+    k, _a = a_holds(start_kiwid, workdir, card)
     b = card.arrive("b")
     (b_pid,) = b.pids()
     double.fault(b_pid, "lock", "stuck", times=1000)
@@ -61,10 +68,7 @@ def test_a_two_process_ungate_that_fails_half_way_is_fenced(
     # The first process unlocked, the second refused: the tenant was stuck as
     # "contained" while its first process ran beside the next holder.
     double = card.double
-    double.set_foreign(0)
-    k = start(start_kiwid, workdir, card)
-    a = card.arrive("a")
-    k.until(lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
+    k, a = a_holds(start_kiwid, workdir, card)
     b = card.arrive("b", TENANT // 2, processes=2)
     first, second = b.pids()
     k.until(lambda: double.state(second) != cudadir.RUNNING, 10, "b to be gated")
@@ -93,10 +97,7 @@ def test_an_ungate_that_returns_after_its_deadline_keeps_the_fence_it_got_meanwh
     # freezer (recorded). Then the unlock returned, and its job dropped the record:
     # the tenant stayed frozen with nothing recorded to thaw it, even after a stop.
     double = card.double
-    double.set_foreign(0)
-    k = start(start_kiwid, workdir, card, timeout=1)
-    a = card.arrive("a")
-    k.until(lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
+    k, _a = a_holds(start_kiwid, workdir, card, timeout=1)
     b = card.arrive("b")
     (b_pid,) = b.pids()
     k.until(lambda: double.state(b_pid) != cudadir.RUNNING, 10, "b to be gated")

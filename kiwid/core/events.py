@@ -91,6 +91,19 @@ class Gated:
 
 
 @dataclass(frozen=True)
+class Ungated:
+    """The shell carried out an :class:`Ungate`: the tenant runs from now.
+
+    Its window to show GPU work (``idle_release``) starts here, not when the ungate
+    was asked: a tenant whose unlock is slow cannot show work meanwhile, and taking
+    its silence for idleness would let the next one go while the unlock may still
+    return, and both would run.
+    """
+
+    tenant: TenantId
+
+
+@dataclass(frozen=True)
 class TenantFaulted:
     """An operation on the tenant failed for good: the tenant is stuck.
 
@@ -249,6 +262,7 @@ Event = (
     | FootprintSeen
     | SwapFinished
     | Gated
+    | Ungated
     | TenantFaulted
     | RetryAsked
     | Mended

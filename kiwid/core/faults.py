@@ -1,7 +1,7 @@
 """Stuck tenants: a fault that makes one, a gate that mends one, an operator's word.
 
 The handlers of :class:`~kiwid.core.scheduler.Scheduler` for ``Gated``,
-``TenantFaulted``, ``RetryAsked``, ``Mended`` and ``Released``. Each changes the
+``Ungated``, ``TenantFaulted``, ``RetryAsked``, ``Mended`` and ``Released``. Each changes the
 table and returns the GPUs whose rotation must be looked at again.
 """
 
@@ -33,6 +33,24 @@ def gated(table: TenantTable, tid: TenantId, now: float) -> set[GpuId]:
         tenant.fault = None
         tenant.regate_at = math.inf
         tenant.seq = table.next_seq()
+    return set(tenant.gpus)
+
+
+def ungated(table: TenantTable, tid: TenantId, now: float) -> set[GpuId]:
+    """An ungate took: the tenant runs; its quantum and its window to show work start now.
+
+    Until then it holds on (neither idle nor preempted): it cannot run yet, and a gate
+    asked meanwhile would wait behind the unlock anyway. Its deadline bounds the wait.
+    """
+    tenant = table.tenants.get(tid)
+    if tenant is None or not tenant.ungate_pending:
+        return set()  # a stale answer (it got stuck since)
+    tenant.ungates_done += 1
+    last = tenant.ungates_done == tenant.ungates_asked  # not one asked again since
+    if last and tenant.running:
+        tenant.window_at = now
+        if tenant.state is S.HOLDER:
+            tenant.granted_at = now
     return set(tenant.gpus)
 
 

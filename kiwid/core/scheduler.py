@@ -67,6 +67,7 @@ from kiwid.core.events import (
     TenantPolicySet,
     TenantUnswappable,
     Tick,
+    Ungated,
 )
 from kiwid.core.ledger import LedgerView
 from kiwid.core.model import GpuId, GpuPolicy, Mode, TenantId, TenantState
@@ -80,7 +81,7 @@ __all__ = ["Scheduler", "Transition"]
 
 S = TenantState
 R = Residency
-_TIME_OR_MEMORY = frozenset({Tick, SwapFinished, HostMemorySeen, MemoryFreeSeen, Gated})
+_TIME_OR_MEMORY = frozenset({Tick, SwapFinished, HostMemorySeen, MemoryFreeSeen, Gated, Ungated})
 """Events after which entitlements change only if a tenant changed state."""
 
 
@@ -154,6 +155,8 @@ class Scheduler:
                 scope = self._swap_finished(event, now)
             case Gated(tenant=tid):
                 scope = faults.gated(self._t, tid, now)
+            case Ungated(tenant=tid):
+                scope = faults.ungated(self._t, tid, now)
             case TenantFaulted():
                 scope = faults.faulted(self._t, event, now)
             case RetryAsked(tenant=tid):

@@ -233,8 +233,8 @@ class TenantTable:
         ``preempt_after`` into its quantum if one of a higher priority waits.
         ``wanted``: what waits per gated GPU (computed if not given).
         """
-        if holder.granted_at is None:
-            return None  # its quantum has not begun (its memory is coming back)
+        if holder.granted_at is None or holder.ungate_pending:
+            return None  # its quantum has not begun (its memory is coming back, its unlock)
         if wanted is None:
             wanted = self.wanted(gating, self.closure(set(holder.gpus)))
         mine = [g for g in holder.gpus & gating if g in wanted]
@@ -252,8 +252,8 @@ class TenantTable:
 
     def idle_at(self, tenant: TenantRecord) -> float:
         """When a running holder or co-runner without further activity goes idle."""
-        if tenant.gated:
-            return math.inf  # not let go yet: it cannot have shown activity
+        if tenant.gated or tenant.ungate_pending:
+            return math.inf  # not let go yet, or its unlock is under way: it cannot run
         began = tenant.window_at if tenant.window_at is not None else tenant.granted_at
         start = max((t for t in (began, tenant.last_active) if t is not None), default=self.now)
         if _silent_since(tenant, began):
@@ -336,6 +336,7 @@ class TenantTable:
         tenant.fault = fault
         tenant.gated = fault.contained
         tenant.gates_done = tenant.gates_asked  # what was asked of it is void now
+        tenant.ungates_done = tenant.ungates_asked
         tenant.granted_at = None
         tenant.remaining_s = None
         tenant.free_wait_since = None
@@ -357,6 +358,7 @@ class TenantTable:
         if tenant.refused_until_run:
             tenant.swap_refusal = None
             tenant.refused_until_run = False
+        tenant.ungates_asked += 1
         actions.append(Ungate(tenant.id))
         if tenant.state is S.HOLDER:
             tenant.granted_at = now

@@ -90,6 +90,10 @@ class TenantRecord:
     gates_let_go: int = 0
     """``gates_asked`` when it was last let go: an answer to one of those gates comes
     too late to matter (it runs now, by the scheduler's own decision)."""
+    ungates_asked: int = 0
+    """How many :class:`~kiwid.core.events.Ungate` actions were asked for it."""
+    ungates_done: int = 0
+    """How many of them the shell answered (``Ungated``; a fault voids the rest)."""
     fault: Fault | None = None
     """Why it is stuck (``STUCK`` only)."""
     regate_at: float = math.inf
@@ -150,6 +154,11 @@ class TenantRecord:
         before the first one's answer comes back.
         """
         return self.gates_done < self.gates_asked
+
+    @property
+    def ungate_pending(self) -> bool:
+        """An ungate was asked and not answered yet: it may not run yet (a slow unlock)."""
+        return self.ungates_done < self.ungates_asked
 
     def answer_gate(self) -> bool:
         """Count the answer to its oldest outstanding gate; whether that gate still counts.

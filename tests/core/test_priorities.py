@@ -21,6 +21,7 @@ from kiwid.core.events import (
     TenantPolicySet,
     Tick,
     Ungate,
+    Ungated,
 )
 from kiwid.core.model import GpuPolicy, SwapMode, TenantPolicy, TenantState, TenantSwap
 from kiwid.core.residency import Residency
@@ -45,7 +46,7 @@ class Node:
         self.grants: list[str] = []
 
     def do(self, event: Event) -> list[Action]:
-        """Handle ``event``; swaps asked for are carried out (and reported) at once."""
+        """Handle ``event``; gates, ungates and swaps are carried out (and reported) at once."""
         out = self.sched.handle(event, self.clock.now())
         self.actions += out
         self.grants += [c.tenant for c in self.sched.drain_transitions() if c.new is S.HOLDER]
@@ -55,6 +56,8 @@ class Node:
                 out += self.do(SwapFinished(action.tenant, direction, True))
             elif isinstance(action, Gate):
                 out += self.do(Gated(action.tenant))
+            elif isinstance(action, Ungate):
+                out += self.do(Ungated(action.tenant))
         return out
 
     def join(self, name: str, *, weight: float = 1.0, priority: int = 0, **kw: object) -> None:

@@ -39,6 +39,7 @@ from kiwid.core.events import (
     TenantPolicySet,
     Tick,
     Ungate,
+    Ungated,
 )
 from kiwid.core.model import GpuPolicy, Mode, TenantPolicy, TenantState
 from kiwid.core.residency import Residency
@@ -50,6 +51,7 @@ GPUS = ("0", "1", "2")
 TENANTS = tuple(f"t{i}" for i in range(6))
 S = TenantState
 BURSTING = (S.HOLDER, S.WAITING, S.CORUNNING, S.STUCK)
+RUNNING = (S.HOLDER, S.CORUNNING)
 """Tenants in a burst whose running matters (a released one runs on an operator's word)."""
 
 policies = st.builds(
@@ -197,6 +199,8 @@ class Run:
                     self.feed(event)
         elif isinstance(step, Trouble):
             self.trouble(step)
+        elif isinstance(step, ActivitySeen) and step.tenant in self.frozen:
+            return  # a frozen or locked tenant does no GPU work (its unlock not back yet)
         else:
             assert isinstance(step, Event.__args__)  # type: ignore[attr-defined]
             self.feed(step)
@@ -213,7 +217,7 @@ class Run:
             case Ungate():
                 if ok or tenant not in self.frozen:  # nothing to thaw cannot fail
                     self.frozen.discard(tenant)
-                    return []
+                    return [Ungated(tenant)]
                 return [TenantFaulted(tenant, "ungate", "cgroup.freeze refused", contained=True)]
             case Retry():
                 self.asked.pop(tenant, None)
@@ -280,6 +284,7 @@ class Run:
                     assert other.tenant in self.frozen and not other.gate_pending, (
                         f"{action} while {other.tenant} may run on GPU {shared}"
                     )
+
             elif isinstance(action, Retry | Release):
                 assert self.asked.get(action.tenant) is None, f"twice {action}"
                 assert t.state is S.STUCK, action
@@ -287,6 +292,22 @@ class Run:
             else:  # swaps: only of gated tenants that are not stuck
                 assert t.state is not S.STUCK and t.gated, action
         assert self.gated == {t.tenant for t in view.tenants if t.gated}, (event, actions)
+        # Per gating GPU, one tenant at most runs or will once its unlock returns (an
+        # unlock not followed by a gate): a tenant whose unlock is slow shows no work,
+        # and must not be taken for an idle one that lets the next run beside it.
+        unlocking = set()
+        for tenant, jobs in self.jobs.items():
+            kinds = [type(j) for j in jobs]
+            if Ungate in kinds and Gate not in kinds[kinds.index(Ungate) :]:
+                unlocking.add(tenant)
+        for gpu in gating:
+            on = {
+                t.tenant
+                for t in view.tenants
+                if gpu in t.gpus and (t.tenant in unlocking or (t.state in RUNNING and not t.gated))
+            }
+            assert len(on) <= 1, f"{sorted(on)} run on GPU {gpu} ({event}, {actions})"
+
         for t in view.tenants:
             # The core never believes a tenant gated while the world has it running
             # (unless a job that gates it is still under way).

@@ -15,6 +15,7 @@ from kiwid.core.events import (
     TenantDetached,
     Tick,
     Ungate,
+    Ungated,
 )
 from kiwid.core.model import GpuPolicy, Mode, TenantState
 from kiwid.core.scheduler import Scheduler
@@ -32,15 +33,22 @@ class Harness:
         self.policy = GpuPolicy(tq_s=30, idle_release_s=5, **policy)  # type: ignore[arg-type]
         self.sched = Scheduler({"0": self.policy, "1": self.policy})
         self.actions: list[object] = []
+        self.slow_unlock: set[str] = set()
+        """Tenants whose ungates are answered only by :meth:`unlocked` (a slow unlock)."""
 
     def do(self, event: object) -> list[object]:
-        """Handle ``event``; every gate asked for takes at once (``Gated``), as in the shell."""
+        """Handle ``event``; every gate and ungate asked for takes at once (``Gated``,
+        ``Ungated``), as in the shell, but the ungates of :attr:`slow_unlock`."""
         out: list[object] = []
         todo = [event]
         while todo:
             actions = self.sched.handle(todo.pop(0), self.clock.now())  # type: ignore[arg-type]
             out += actions
-            todo += [Gated(a.tenant) for a in actions if isinstance(a, Gate)]
+            for a in actions:
+                if isinstance(a, Gate):
+                    todo.append(Gated(a.tenant))
+                elif isinstance(a, Ungate) and a.tenant not in self.slow_unlock:
+                    todo.append(Ungated(a.tenant))
         self.actions.extend(out)
         return out
 
@@ -123,6 +131,46 @@ def test_idle_holder_yields_early_and_next_waiter_is_granted() -> None:
     assert h.state("a") is S.IDLE
     assert h.state("b") is S.HOLDER
     assert h.actions[-1] == Ungate("b")
+
+
+def test_a_holder_whose_unlock_is_slow_is_not_idle_before_it_could_run() -> None:
+    # The fault matrix saw it: an unlock that took 2.3 s (longer than idle_release,
+    # shorter than its deadline) made the holder idle before it could run, so the
+    # next one was let go, and the first ran beside it once its unlock returned.
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    h.slow_unlock.add("b")
+    h.advance(30, keep_active=("a",))
+    assert h.state("b") is S.HOLDER and h.actions[-1] == Ungate("b")
+    h.advance(20)  # b's unlock has not returned: b shows no work, as it cannot run
+    assert h.state("b") is S.HOLDER, "idle before its unlock returned"
+    assert h.actions[-1] == Ungate("b"), "a let go while b's unlock may still return"
+    h.do(Ungated("b"))  # it runs from now: its window to show work starts here
+    h.advance(4.9)
+    assert h.state("b") is S.HOLDER
+    h.advance(0.1)
+    assert h.state("b") is S.IDLE
+    assert h.state("a") is S.HOLDER and h.actions[-1] == Ungate("a")
+
+
+def test_a_holder_whose_unlock_is_slow_gets_its_whole_quantum_once_it_runs() -> None:
+    # Preempted before its unlock returned, a tenant would never run: a slow unlock
+    # on every turn (TQ 1 s, unlock 2 s) rotated the tenants for ever, none working.
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    h.slow_unlock.add("b")
+    h.advance(30, keep_active=("a",))
+    assert h.state("b") is S.HOLDER
+    h.advance(45, keep_active=("a",))  # past its quantum: its unlock is still out
+    assert h.state("b") is S.HOLDER and h.actions[-1] == Ungate("b")
+    h.do(Ungated("b"))
+    h.advance(29.5, keep_active=("a", "b"))  # its quantum counts from its unlock
+    assert h.state("b") is S.HOLDER
+    h.advance(0.5, keep_active=("a", "b"))
+    assert h.state("b") is S.WAITING and h.state("a") is S.HOLDER
+    assert h.actions[-2:] == [Gate("b"), Ungate("a")]
 
 
 def test_granted_waiter_without_gpu_work_goes_back_to_idle() -> None:

@@ -21,6 +21,7 @@ from kiwid.core.events import (
     TenantDetached,
     Tick,
     Ungate,
+    Ungated,
 )
 from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
 from kiwid.core.scheduler import Scheduler
@@ -68,6 +69,8 @@ class Card:
             for action in actions:
                 if isinstance(action, Gate):
                     todo.append(Gated(action.tenant))
+                if isinstance(action, Ungate):
+                    todo.append(Ungated(action.tenant))
                 if isinstance(action, SwapOut | SwapIn):
                     direction = "out" if isinstance(action, SwapOut) else "in"
                     ok = action.tenant not in self.fail
@@ -291,9 +294,12 @@ def test_a_holder_whose_memory_is_moving_starts_its_quantum_when_let_go() -> Non
     card.clock.advance(7)
     back = SwapFinished("b", "in", ok=True, moved_bytes=40 * GiB, seconds=7)
     assert card.sched.handle(back, card.clock.now()) == [Ungate("b")]
+    pending = card.sched.next_deadline()  # its unlock is under way: it cannot go idle
+    assert pending is not None and pending > card.clock.now() + card.policy.idle_release_s
+    assert card.sched.handle(Ungated("b"), card.clock.now()) == []  # the unlock took
     deadline = card.sched.next_deadline()
     assert deadline is not None
-    # Its first idle window and its quantum count from now.
+    # Its first idle window (from its unlock's answer) and its quantum count from now.
     assert deadline == card.clock.now() + card.policy.idle_release_s
     let_go = card.clock.now()
     out = []

@@ -34,6 +34,7 @@ from kiwid.core.events import (
     TenantPolicySet,
     Tick,
     Ungate,
+    Ungated,
 )
 from kiwid.core.model import GpuPolicy, Newcomer, SwapMode, TenantPolicy
 from kiwid.core.scheduler import Scheduler
@@ -108,6 +109,7 @@ class TimedCard:
         """Hand ``event`` to the scheduler and carry out what it asks for."""
         now = self.clock.now()
         gated: list[str] = []
+        ungated: list[str] = []
         for action in self.sched.handle(event, now):
             self.log.append((now, action))
             match action:
@@ -116,6 +118,7 @@ class TimedCard:
                     gated.append(t)
                 case Ungate(tenant=t):
                     self.running.add(t)
+                    ungated.append(t)
                     if self.on_ungate is not None:
                         self.on_ungate(t)
                 case SwapOut(tenant=t) | SwapIn(tenant=t):
@@ -123,6 +126,8 @@ class TimedCard:
                     self.lanes[direction].append(Swap(t, direction, 0, math.inf, math.inf))
         for t in gated:  # a gate takes at once here
             self.do(Gated(t))
+        for t in ungated:  # and so does an ungate
+            self.do(Ungated(t))
         self._start_swaps()
 
     def join(

@@ -137,3 +137,34 @@ def test_a_checkpoint_that_returns_after_the_operators_release_fences_nothing(
     assert not frozen(a.cgroup), f"a fenced after its release\n{k.log_text()[-3000:]}"
     done = a.progress()
     k.until(lambda: a.progress() > done, 10, "a, released, to work")
+
+
+def test_a_holder_whose_unlock_is_slow_is_not_taken_for_idle(
+    start_kiwid, workdir: Path, card: Card
+) -> None:
+    # An unlock that took 2.3 s, longer than idle_release (0.5 s) and shorter than
+    # its deadline: kiwid took the new holder's silence for idleness and let the
+    # next one go; when the unlock returned, both ran until the next poll gated one.
+    double = card.double
+    k, a = a_holds(start_kiwid, workdir, card, tq=5, timeout=10)  # b holds while watched
+    b = card.arrive("b")
+    (a_pid,), (b_pid,) = a.pids(), b.pids()
+    k.until(lambda: double.state(b_pid) != cudadir.RUNNING, 10, "b to be gated")
+    double.fault(b_pid, "unlock", "hang")  # until cleared: well within its deadline
+    key = card.key(b)
+    k.until(lambda: holder(k) == key, 20, "b's turn")
+    k.until(lambda: double.state(a_pid) != cudadir.RUNNING, 10, "a gated for b's turn")
+    watch = time.monotonic() + 2.0  # four idle_release: b could not run, a must not
+    while time.monotonic() < watch:
+        assert double.state(a_pid) != cudadir.RUNNING, (
+            f"a let go while b's unlock may return\n{k.log_text()[-3000:]}"
+        )
+        time.sleep(0.02)
+    assert holder(k) == key and k.tenant(key)["state"] == "holder"
+    done = b.progress()
+    double.clear(b_pid, "unlock")  # the unlock returns: b runs its turn
+    k.until(lambda: b.progress() > done, 10, "b to work")
+    k.until(lambda: holder(k) == card.key(a), 20, "a's turn again")
+    mine = a.progress()
+    k.until(lambda: a.progress() > mine, 10, "a to work")
+    assert double.state(b_pid) != cudadir.RUNNING

@@ -20,6 +20,8 @@ from kiwid.core.events import (
     TenantAttached,
     TenantFaulted,
     Tick,
+    Ungate,
+    Ungated,
 )
 from kiwid.core.model import GpuPolicy, SwapMode, TenantState
 from kiwid.core.scheduler import Scheduler
@@ -45,6 +47,7 @@ class Card:
             actions = self.sched.handle(todo.pop(0), self.now)
             out += actions
             todo += [Gated(a.tenant) for a in actions if isinstance(a, Gate)]
+            todo += [Ungated(a.tenant) for a in actions if isinstance(a, Ungate)]
             self.swaps += [a for a in actions if isinstance(a, SwapOut | SwapIn)]
         return out
 

@@ -1,6 +1,7 @@
 """Jobs that gate: gate, ungate, follow a gated tenant's new processes, fence, forget.
 
-Each returns what the scheduler must hear: a gate that took is ``Gated``; a gate
+Each returns what the scheduler must hear: a gate that took is ``Gated``, an
+ungate that took ``Ungated`` (the tenant runs from then on); a gate
 or ungate that fails is tried again for ``gpu.driver_timeout`` and then makes the
 tenant stuck (``TenantFaulted``), never a silent success. The state file is
 written ahead of every change it records: before a tenant is gated, before a new
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from kiwid.core.events import Event, Gated, TenantFaulted
+from kiwid.core.events import Event, Gated, TenantFaulted, Ungated
 from kiwid.daemon.engine.executor import Job
 from kiwid.daemon.engine.tools import Tools, who
 from kiwid.daemon.gating.cudagate import CudaLockGate
@@ -61,7 +62,7 @@ def ungate(tools: Tools, job: Job) -> list[Event]:
     tenant = job.tenant
     record = tools.state.records.get(tenant)
     if record is None:
-        return []
+        return [Ungated(tenant)]  # nothing holds it: it runs
     if record.swapped:  # never: the scheduler lets go only what is on the card
         reason = "not let go: the state file says its memory is in host RAM"
         log.error("%s: %s", tenant, reason)
@@ -85,8 +86,9 @@ def ungate(tools: Tools, job: Job) -> list[Event]:
             return []
     except OSError as err:  # it runs; its record only makes recovery try again, harmlessly
         log.warning("Ungated %s, but its record stays in %s: %s", tenant, tools.state.path, err)
+        return [Ungated(tenant)]
     log.debug("Ungated %s", tenant)
-    return []
+    return [Ungated(tenant)]
 
 
 def follow(tools: Tools, job: Job) -> list[Event]:

@@ -57,8 +57,8 @@ def ungated(table: TenantTable, tid: TenantId, now: float) -> set[GpuId]:
 def faulted(table: TenantTable, event: TenantFaulted, now: float) -> set[GpuId]:
     """An operation on the tenant failed for good: it is stuck (unless the gate is moot)."""
     tenant = table.tenants.get(event.tenant)
-    if tenant is None:
-        return set()
+    if tenant is None or tenant.state is S.RELEASED:
+        return set()  # (released: the answer to a job asked before the operator's word)
     if event.operation == "gate" and not tenant.answer_gate():
         return set(tenant.gpus)  # a gate it no longer needs (let go since) failed
     fault = Fault(event.operation, event.reason, now, event.contained, event.pid, event.answer)
@@ -113,6 +113,8 @@ def released(table: TenantTable, event: Released, now: float) -> set[GpuId]:
         return set(tenant.gpus)
     tenant.residency = settle(tenant.residency, R.RESIDENT)
     table.set_state(tenant, Trigger.RELEASED, now)
+    tenant.gates_done = tenant.gates_asked  # what was asked before it is void now
+    tenant.ungates_done = tenant.ungates_asked
     tenant.fault = None
     tenant.gated = False
     tenant.regate_at = math.inf

@@ -11,8 +11,12 @@ from kiwid.core.events import (
     Gate,
     Gated,
     GpusConfigured,
+    Release,
+    ReleaseAsked,
+    Released,
     TenantAttached,
     TenantDetached,
+    TenantFaulted,
     Tick,
     Ungate,
     Ungated,
@@ -171,6 +175,27 @@ def test_a_holder_whose_unlock_is_slow_gets_its_whole_quantum_once_it_runs() -> 
     h.advance(0.5, keep_active=("a", "b"))
     assert h.state("b") is S.WAITING and h.state("a") is S.HOLDER
     assert h.actions[-2:] == [Gate("b"), Ungate("a")]
+
+
+def test_a_gate_answered_after_an_operators_release_is_old_news() -> None:
+    # The engine's property test found it: a stuck tenant whose gate did not take
+    # has it tried again every TQ; the operator released it while that gate ran, and
+    # the gate's failure, coming after, made the scheduler fail ("no transition from
+    # released"): kiwid stopped.
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    assert h.state("b") is S.WAITING
+    now = h.clock.now
+    h.sched.handle(TenantFaulted("b", "swap-out", "checkpoint hung", contained=False), now())
+    h.clock.advance(30)
+    assert Gate("b") in h.sched.handle(Tick(), now())  # its gate, tried again
+    assert h.sched.handle(ReleaseAsked("b"), now()) == [Release("b")]
+    h.sched.handle(Released("b", complete=True), now())
+    assert h.state("b") is S.RELEASED
+    late = TenantFaulted("b", "gate", "the freezer timed out; no fence", contained=False)
+    assert h.sched.handle(late, now()) == []
+    assert h.state("b") is S.RELEASED and not h.sched.gated("b")
 
 
 def test_granted_waiter_without_gpu_work_goes_back_to_idle() -> None:

@@ -335,8 +335,7 @@ class TenantTable:
         self.set_state(tenant, Trigger.FAULTED, now)
         tenant.fault = fault
         tenant.gated = fault.contained
-        tenant.gates_done = tenant.gates_asked  # what was asked of it is void now
-        tenant.ungates_done = tenant.ungates_asked
+        tenant.void_answers()
         tenant.granted_at = None
         tenant.remaining_s = None
         tenant.free_wait_since = None

@@ -160,6 +160,11 @@ class TenantRecord:
         """An ungate was asked and not answered yet: it may not run yet (a slow unlock)."""
         return self.ungates_done < self.ungates_asked
 
+    def void_answers(self) -> None:
+        """What was asked of it before now is void (it got stuck, or an operator let it go)."""
+        self.gates_done = self.gates_asked
+        self.ungates_done = self.ungates_asked
+
     def answer_gate(self) -> bool:
         """Count the answer to its oldest outstanding gate; whether that gate still counts.
 

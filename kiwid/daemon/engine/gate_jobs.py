@@ -86,7 +86,6 @@ def ungate(tools: Tools, job: Job) -> list[Event]:
             return []
     except OSError as err:  # it runs; its record only makes recovery try again, harmlessly
         log.warning("Ungated %s, but its record stays in %s: %s", tenant, tools.state.path, err)
-        return [Ungated(tenant)]
     log.debug("Ungated %s", tenant)
     return [Ungated(tenant)]
 

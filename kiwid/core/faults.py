@@ -8,6 +8,7 @@ table and returns the GPUs whose rotation must be looked at again.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from kiwid.core.events import Action, Released, Retry, TenantFaulted
 from kiwid.core.model import GpuId, TenantId, TenantState
@@ -29,6 +30,12 @@ def gated(table: TenantTable, tid: TenantId, now: float) -> set[GpuId]:
         return set(tenant.gpus)  # it may no longer be in the way of anyone
     answered = tenant.gates_done == tenant.gates_asked
     if tenant.state is S.STUCK and tenant.loose and tenant.gated and answered:
+        if tenant.residency is R.UNKNOWN and tenant.fault is not None:
+            # Gated now, but only a retry finds where its memory is: it stays stuck,
+            # contained (never let go with its memory nowhere known).
+            tenant.fault = replace(tenant.fault, contained=True)
+            tenant.regate_at = math.inf
+            return set(tenant.gpus)
         table.set_state(tenant, Trigger.GATE_MENDED, now)
         tenant.fault = None
         tenant.regate_at = math.inf
@@ -113,8 +120,7 @@ def released(table: TenantTable, event: Released, now: float) -> set[GpuId]:
         return set(tenant.gpus)
     tenant.residency = settle(tenant.residency, R.RESIDENT)
     table.set_state(tenant, Trigger.RELEASED, now)
-    tenant.gates_done = tenant.gates_asked  # what was asked before it is void now
-    tenant.ungates_done = tenant.ungates_asked
+    tenant.void_answers()
     tenant.fault = None
     tenant.gated = False
     tenant.regate_at = math.inf

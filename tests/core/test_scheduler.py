@@ -22,6 +22,7 @@ from kiwid.core.events import (
     Ungated,
 )
 from kiwid.core.model import GpuPolicy, Mode, TenantState
+from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler
 from tests.helpers import steps
 
@@ -137,15 +138,21 @@ def test_idle_holder_yields_early_and_next_waiter_is_granted() -> None:
     assert h.actions[-1] == Ungate("b")
 
 
-def test_a_holder_whose_unlock_is_slow_is_not_idle_before_it_could_run() -> None:
-    # The fault matrix saw it: an unlock that took 2.3 s (longer than idle_release,
-    # shorter than its deadline) made the holder idle before it could run, so the
-    # next one was let go, and the first ran beside it once its unlock returned.
+def b_granted_with_a_slow_unlock() -> Harness:
+    """a held its quantum; b, granted, waits for its unlock to return (not answered)."""
     h = Harness()
     h.attach("a", "b")
     h.active("a", "b")
     h.slow_unlock.add("b")
     h.advance(30, keep_active=("a",))
+    return h
+
+
+def test_a_holder_whose_unlock_is_slow_is_not_idle_before_it_could_run() -> None:
+    # The fault matrix saw it: an unlock that took 2.3 s (longer than idle_release,
+    # shorter than its deadline) made the holder idle before it could run, so the
+    # next one was let go, and the first ran beside it once its unlock returned.
+    h = b_granted_with_a_slow_unlock()
     assert h.state("b") is S.HOLDER and h.actions[-1] == Ungate("b")
     h.advance(20)  # b's unlock has not returned: b shows no work, as it cannot run
     assert h.state("b") is S.HOLDER, "idle before its unlock returned"
@@ -161,11 +168,7 @@ def test_a_holder_whose_unlock_is_slow_is_not_idle_before_it_could_run() -> None
 def test_a_holder_whose_unlock_is_slow_gets_its_whole_quantum_once_it_runs() -> None:
     # Preempted before its unlock returned, a tenant would never run: a slow unlock
     # on every turn (TQ 1 s, unlock 2 s) rotated the tenants for ever, none working.
-    h = Harness()
-    h.attach("a", "b")
-    h.active("a", "b")
-    h.slow_unlock.add("b")
-    h.advance(30, keep_active=("a",))
+    h = b_granted_with_a_slow_unlock()
     assert h.state("b") is S.HOLDER
     h.advance(45, keep_active=("a",))  # past its quantum: its unlock is still out
     assert h.state("b") is S.HOLDER and h.actions[-1] == Ungate("b")
@@ -196,6 +199,23 @@ def test_a_gate_answered_after_an_operators_release_is_old_news() -> None:
     late = TenantFaulted("b", "gate", "the freezer timed out; no fence", contained=False)
     assert h.sched.handle(late, now()) == []
     assert h.state("b") is S.RELEASED and not h.sched.gated("b")
+
+
+def test_a_gate_that_takes_does_not_mend_a_tenant_whose_memory_is_nowhere_known() -> None:
+    # The engine's property test found it: a swap that hung left a tenant stuck with
+    # its memory "unknown" and its gate not taken; the gate, tried again, took and
+    # put it back in the queue, and its grant let it go with its memory unknown
+    # (the scheduler failed: "let go from unknown").
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    now = h.clock.now
+    hung = TenantFaulted("b", "swap-out", "hung", Residency.UNKNOWN, contained=False)
+    h.sched.handle(hung, now())
+    h.clock.advance(30)
+    assert Gate("b") in h.sched.handle(Tick(), now())  # its gate, tried again
+    h.sched.handle(Gated("b"), now())
+    assert h.state("b") is S.STUCK and h.sched.gated("b")
 
 
 def test_granted_waiter_without_gpu_work_goes_back_to_idle() -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -51,7 +51,7 @@ from kiwid.core.scheduler import Scheduler
 from kiwid.daemon.engine.effects import Effects
 from kiwid.daemon.engine.engine import Engine
 from kiwid.daemon.engine.executor import Job, Kind, Lanes
-from kiwid.daemon.gating.gates import GateError
+from kiwid.daemon.gating.gates import GateError, never
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.gating.swap import Placement, SwapError
@@ -111,7 +111,7 @@ class ScriptedGate:
     def prepare(self, tenant: TenantInfo) -> GatedRecord:
         return GatedRecord(tenant.key, self.method, None, None, tuple(sorted(tenant.pids)))
 
-    def gate(self, record: GatedRecord) -> None:
+    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
         if self.world.fate() in ("fail", "half"):
             raise GateError(f"{record.tenant}: the freezer timed out", answer="ETIMEDOUT")
         self.world.gated.add(record.tenant)
@@ -336,6 +336,11 @@ class Harness:
             # The core never believes a tenant gated while the world has it running.
             if t.gated and not t.gate_pending and t.tenant not in busy:
                 assert t.tenant in world.gated, f"{t.tenant} runs, the core has it gated"
+            # Nor does the world hold one gated that the core lets run (a stuck one
+            # whose gate did not take may run, or not): a gate that kiwid gave up on
+            # does nothing when it comes back, or is settled.
+            if not t.gated and t.state is not S.STUCK and t.tenant not in busy:
+                assert t.tenant not in world.gated, f"{t.tenant} gated, the core lets it run"
             # One owner of residency: the record says host RAM iff the core does.
             if t.tenant in busy or not t.gated:
                 continue

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tests.daemon.conftest import Card, Kiwid
 from tests.daemon.test_driver_double_e2e import TENANT, holder
-from tests.daemon.test_driver_faults_e2e import CUDA_ERROR_UNKNOWN, start
+from tests.daemon.test_driver_faults_e2e import CUDA_ERROR_UNKNOWN, recover, start
 from tests.stand_ins import cudadir
 from tests.stand_ins.cudadouble import CudaTenant
 
@@ -168,3 +168,34 @@ def test_a_holder_whose_unlock_is_slow_is_not_taken_for_idle(
     mine = a.progress()
     k.until(lambda: a.progress() > mine, 10, "a to work")
     assert double.state(b_pid) != cudadir.RUNNING
+
+
+def test_a_gate_that_returns_after_the_operators_release_locks_nothing(
+    start_kiwid, workdir: Path, card: Card
+) -> None:
+    # The gate's state call hung past its deadline; kiwid fenced the tenant and the
+    # operator released it (it ran, unrecorded). Then the call returned, and the
+    # gate went on to lock the released tenant: locked with no record, so neither a
+    # stop nor `kiwid recover` ever unlocked it.
+    double = card.double
+    k, _a = a_holds(start_kiwid, workdir, card, timeout=1)
+    b = card.arrive("b")
+    (b_pid,) = b.pids()
+    double.fault(b_pid, "state", "hang")  # b's gate asks first; until cleared
+    key = card.key(b)
+    k.until(lambda: records(workdir).get(key, {}).get("fenced"), 20, "b fenced")
+    assert k.tenant(key)["state"] == "stuck"
+    release = k.ctl("release", key)
+    assert release.returncode == 0, release.stdout + release.stderr
+    k.until(lambda: k.tenant(key).get("state") == "released", 10, "b released")
+    double.clear(b_pid, "state")  # the hung call returns
+    k.wait_log("ran past its deadline returned", 20)
+    done = b.progress()
+    k.until(lambda: b.progress() > done, 10, "b, released, to work")
+    assert double.state(b_pid) == cudadir.RUNNING, k.log_text()[-3000:]
+    k.proc.kill()  # and should it have locked b, recovery must know it
+    k.proc.wait()
+    out = recover(workdir, card)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert double.state(b_pid) == cudadir.RUNNING
+    assert not frozen(b.cgroup)

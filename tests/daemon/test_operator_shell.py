@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 from kiwid.adapters.control import ControlError, request
 from kiwid.adapters.sim import SimBackend
 from kiwid.config import load_config
-from kiwid.daemon.gating.gates import GateError
+from kiwid.daemon.gating.gates import GateError, never
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.main import assemble
 from kiwid.daemon.tenants.identify import identify
@@ -35,10 +36,10 @@ class RefusingGate(ScriptedGate):
         super().__init__()
         self.refuse: set[str] = set()
 
-    def gate(self, record: GatedRecord) -> None:
+    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
         if record.tenant in self.refuse:
             raise GateError(f"{record.tenant}: the freeze did not take", answer="EBUSY")
-        super().gate(record)
+        super().gate(record, cancelled)
 
 
 def test_a_retry_of_a_tenant_whose_gate_did_not_take_tries_it_now(tmp_path: Path, sleepers) -> None:

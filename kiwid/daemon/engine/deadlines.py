@@ -37,7 +37,10 @@ def deadlines(
     return deadline_s
 
 
-MAY_RUN = (Kind.GATE, Kind.FOLLOW, Kind.UNGATE, Kind.RELEASE)
+LOCKING = (Kind.GATE, Kind.FOLLOW, Kind.RETRY)
+"""Jobs that lock: one whose call returns after kiwid gave up on it is settled
+(its late lock recorded or undone, as kiwid holds the tenant now)."""
+MAY_RUN = (Kind.GATE, Kind.FOLLOW, Kind.UNGATE, Kind.RELEASE, Kind.SETTLE)
 """Jobs whose call, hanging, may leave the tenant running (or let it run when it
 returns): it counts as running, and is fenced with the freezer where it can be."""
 

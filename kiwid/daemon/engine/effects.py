@@ -34,6 +34,7 @@ _JOBS: dict[Kind, Callable[[Tools, Job], list[Event]]] = {
     Kind.SWAP_IN: swap_jobs.swap,
     Kind.RETRY: mend_jobs.retry,
     Kind.RELEASE: mend_jobs.release,
+    Kind.SETTLE: gate_jobs.settle,
 }
 
 
@@ -91,7 +92,7 @@ class Effects:
             return []
         reason = f"internal error during its {job.kind.value}: {err!r}"
         record = self.tools.state.records.get(job.tenant)
-        if job.kind in (Kind.GATE, Kind.FOLLOW, Kind.FENCE):
+        if job.kind in (Kind.GATE, Kind.FOLLOW, Kind.FENCE, Kind.SETTLE):
             fault = TenantFaulted(job.tenant, operation, reason)
             return [self.tools.fence(job.info, fault, job.given_up)]
         where: Residency | None = None

@@ -35,7 +35,7 @@ from kiwid.core.events import (
 from kiwid.core.model import TenantState
 from kiwid.core.scheduler import Scheduler, Transition
 from kiwid.core.states import Trigger
-from kiwid.daemon.engine.deadlines import MAY_RUN, late
+from kiwid.daemon.engine.deadlines import LOCKING, MAY_RUN, late
 from kiwid.daemon.engine.effects import Effects
 from kiwid.daemon.engine.executor import OPERATIONS, Executor, Job, Kind, Lanes
 from kiwid.daemon.engine.records import Departed, Histogram, SwapProgress
@@ -241,7 +241,8 @@ class Engine:
             )
             events = late(job, now - started)
             self.apply(events)
-            if job.kind in MAY_RUN and events:  # it may run: fence it
+            stuck = self.scheduler.tenant_state(job.tenant) is TenantState.STUCK
+            if job.kind in MAY_RUN and events and stuck:  # it may run: fence it
                 info = job.info or self.tracker.tenants.get(job.tenant)
                 fault = events[0] if isinstance(events[0], TenantFaulted) else None
                 self.executor.job(Kind.FENCE, job.tenant, job.gpus, info=info, fault=fault)
@@ -265,6 +266,11 @@ class Engine:
         if job in self._orphaned:  # its tenant left meanwhile
             self._orphaned.discard(job)
             return
+        if job.kind in LOCKING:  # a lock in flight may have taken after kiwid gave up
+            info = self.tracker.tenants.get(job.tenant) or job.info
+            hold = self.scheduler.gated(job.tenant)
+            self.executor.job(Kind.SETTLE, job.tenant, job.gpus, info=info, hold=hold)
+            self._kick()
         if job.kind in (Kind.UNGATE, Kind.RELEASE) and self.scheduler.gated(job.tenant):
             reason = (
                 f"its {job.kind.value}, {seconds:.0f} s late, may have let it run: kiwid "

@@ -59,6 +59,9 @@ class Kind(enum.StrEnum):
     """Freeze a tenant whose CUDA lock cannot be trusted (a call that never returned)."""
     FOLLOW = "follow"
     """Lock the processes a gated tenant started since it was gated."""
+    SETTLE = "settle"
+    """A gate or follow returned after kiwid gave up on it: a lock it took late is
+    recorded (kiwid holds the tenant gated) or undone (kiwid lets it run)."""
 
 
 _KINDS: dict[type, Kind] = {
@@ -78,9 +81,11 @@ OPERATIONS = {
     Kind.SWAP_IN: "swap-in",
     Kind.RETRY: "retry",
     Kind.RELEASE: "release",
+    Kind.SETTLE: "ungate",
 }
-"""The operation a job's fault names (a fence and a follow belong to the gate)."""
-UNDO_KINDS = frozenset({Kind.FORGET, Kind.FENCE, Kind.RETRY, Kind.RELEASE})
+"""The operation a job's fault names (a fence and a follow belong to the gate, a
+settle undoes a lock that kiwid did not want)."""
+UNDO_KINDS = frozenset({Kind.FORGET, Kind.FENCE, Kind.RETRY, Kind.RELEASE, Kind.SETTLE})
 """What still runs for a stuck tenant: what keeps it safe or mends it."""
 
 
@@ -113,6 +118,9 @@ class Job:
     """For a follow: the new processes to lock (pid -> start time)."""
     fault: TenantFaulted | None = None
     """For a fence: the fault that made it stuck (told again once it is fenced)."""
+    hold: bool = False
+    """For a settle: whether kiwid holds the tenant gated (the scheduler's word when
+    the late call returned; the tenant's earlier jobs run first)."""
     given_up: threading.Event = field(default_factory=threading.Event)
     """Set when it ran past its deadline: kiwid (a fence, an operator) deals with its
     tenant since, and a call that returns late must not fence it on its own."""
@@ -138,6 +146,7 @@ class Executor:
         sizes: dict[str, int] | None = None,
         pids: dict[int, int] | None = None,
         fault: TenantFaulted | None = None,
+        hold: bool = False,
     ) -> Job:
         """Queue the job that carries out ``action``.
 
@@ -159,6 +168,7 @@ class Executor:
             sizes,
             dict(pids or {}),
             fault,
+            hold,
         )
         self._queued.append(job)
         return job

@@ -1,4 +1,4 @@
-"""Jobs that gate: gate, ungate, follow a gated tenant's new processes, fence, forget.
+"""Jobs that gate: gate, ungate, follow new processes, settle a late lock, fence, forget.
 
 Each returns what the scheduler must hear: a gate that took is ``Gated``, an
 ungate that took ``Ungated`` (the tenant runs from then on); a gate
@@ -18,6 +18,7 @@ from kiwid.daemon.engine.executor import Job
 from kiwid.daemon.engine.tools import Tools, who
 from kiwid.daemon.gating.cudagate import CudaLockGate
 from kiwid.daemon.gating.gates import GateError
+from kiwid.daemon.gating.record import GatedRecord
 
 log = logging.getLogger("kiwid.engine")
 
@@ -29,26 +30,29 @@ def gate(tools: Tools, job: Job) -> list[Event]:
         return [TenantFaulted(job.tenant, "gate", "unknown to the tenant table", contained=False)]
 
     def attempt() -> None:
+        if job.given_up.is_set():  # kiwid deals with the tenant since: hands off
+            raise GateError(f"{job.tenant}: not gated: kiwid gave up on this gate")
         before = tools.state.records.get(job.tenant)  # a stuck tenant gated again
         record = tools.gate.prepare(info)
         if before is not None:
             record = before.regated(record)
         tools.state.put(record)  # write-ahead: recorded before it is frozen
         try:
-            tools.gate.gate(record)
+            tools.gate.gate(record, job.given_up.is_set)
         except GateError:
             # Undo the write-ahead only if nothing holds the tenant now: a call
             # that failed half-way (a process locked, or left CHECKPOINTED and so
             # unlisted by NVML) must stay recorded, for its ungate and recovery,
-            # and to keep the tenant known.
+            # and to keep the tenant known. Only if it is still ours: a fence
+            # written while a call of this gate hung stays.
             if before is not None:
-                tools.state.put(before)
+                tools.state.put(before, only=record)
             elif not tools.gate.holds(info):
                 tools.state.drop(record.tenant, only=record)
             raise
 
     try:
-        tools.retrying(attempt, f"the gate of {who(info, job.tenant)}")
+        tools.retrying(attempt, f"the gate of {who(info, job.tenant)}", job.given_up)
     except GateError as err:
         log.error("Could not gate %s: %s", who(info, job.tenant), err)
         fault = TenantFaulted(job.tenant, "gate", str(err), pid=err.pid, answer=err.answer)
@@ -69,7 +73,7 @@ def ungate(tools: Tools, job: Job) -> list[Event]:
         return [TenantFaulted(tenant, "ungate", reason)]
 
     try:
-        tools.retrying(lambda: tools.gate.ungate(record), f"the ungate of {tenant}")
+        tools.retrying(lambda: tools.gate.ungate(record), f"the ungate of {tenant}", job.given_up)
     except GateError as err:
         log.error("Could not ungate %s: %s (kept in %s)", tenant, err, tools.state.path)
         fault = TenantFaulted(tenant, "ungate", str(err), pid=err.pid, answer=err.answer)
@@ -101,7 +105,7 @@ def follow(tools: Tools, job: Job) -> list[Event]:
     grown = record.with_pids(new)
     try:
         tools.state.put(grown)
-        gate_.follow(grown, tuple(sorted(new)))
+        gate_.follow(grown, tuple(sorted(new)), job.given_up.is_set)
     except (GateError, OSError) as err:
         pid = err.pid if isinstance(err, GateError) else None
         answer = err.answer if isinstance(err, GateError) else None
@@ -110,6 +114,55 @@ def follow(tools: Tools, job: Job) -> list[Event]:
         fault = TenantFaulted(job.tenant, "gate", reason, pid=pid, answer=answer)
         return [tools.fence(job.info, fault, job.given_up)]
     log.info("Locked %s's new process %s", who(job.info, job.tenant), ", ".join(map(str, new)))
+    return []
+
+
+def settle(tools: Tools, job: Job) -> list[Event]:
+    """A gate (or follow, or retry) returned after kiwid gave up on it: settle what it did.
+
+    Its call was in flight when kiwid gave up, and may have taken since, on a
+    tenant that kiwid fenced, released or let go meanwhile. Where kiwid holds the
+    tenant gated (``job.hold``), or a record holds it, the gate stays and the
+    record names it (its ungate and ``kiwid recover`` undo it); where kiwid lets it
+    run, the gate is undone, recorded ahead like any gate so that nothing stays
+    gated unrecorded. A gate that will not undo makes the tenant stuck, fenced.
+    """
+    gate_, info, tenant = tools.gate, job.info, job.tenant
+    if info is None or not gate_.holds(info):
+        return []  # the late call holds nothing
+    try:
+        fresh = gate_.prepare(info)
+    except GateError as err:  # its cgroup is gone: so is what could hold it
+        log.warning("%s: nothing to settle: %s", who(info, tenant), err)
+        return []
+    held = gate_.held(info.pids) if isinstance(gate_, CudaLockGate) else sorted(info.pids)
+    starts = {p: s or 0 for p, s in fresh.pid_starts().items() if p in held}
+    pids = ", ".join(map(str, held))
+
+    def recorded_ahead(record: GatedRecord | None) -> GatedRecord | None:
+        return fresh if record is None else None
+
+    def naming(record: GatedRecord | None) -> GatedRecord | None:
+        if record is None:
+            return fresh
+        missing = {p: s for p, s in starts.items() if p not in record.pids}
+        return record.with_pids(missing) if missing else None
+
+    if job.hold or not tools.state.update(tenant, recorded_ahead):
+        if tools.state.update(tenant, naming):
+            log.warning("%s: recorded pid %s, gated late", who(info, tenant), pids)
+        return []
+    log.warning("%s runs, yet pid %s is gated by a late call: undoing it", who(info, tenant), pids)
+    try:
+        tools.retrying(lambda: gate_.ungate(fresh), f"the ungate of {tenant}", job.given_up)
+    except GateError as err:
+        reason = f"what a gate did after kiwid gave up on it could not be undone: {err}"
+        log.error("%s: %s", who(info, tenant), reason)
+        fault = TenantFaulted(
+            tenant, "ungate", reason, contained=False, pid=err.pid, answer=err.answer
+        )
+        return [tools.fence(info, fault, job.given_up)]
+    tools.state.drop(tenant, only=fresh)
     return []
 
 

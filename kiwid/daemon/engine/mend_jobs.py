@@ -51,6 +51,12 @@ def retry(tools: Tools, job: Job) -> list[Event]:
     return [Mended(job.tenant, mended)]
 
 
+def _not_given_up(job: Job) -> None:
+    """Raise if kiwid gave up on ``job``: a late retry writes nothing over what came since."""
+    if job.given_up.is_set():
+        raise GateError(f"{job.tenant}: not mended: kiwid gave up on this retry")
+
+
 def _mend(tools: Tools, job: Job, record: GatedRecord | None) -> Residency:
     """Bring the tenant to gated-and-whole; where its memory is then.
 
@@ -63,12 +69,13 @@ def _mend(tools: Tools, job: Job, record: GatedRecord | None) -> Residency:
         if job.info is None:
             raise GateError(f"{job.tenant}: unknown to the tenant table")
         record = tools.gate.prepare(job.info)
+        _not_given_up(job)
         tools.state.put(record)
-        tools.gate.gate(record)
+        tools.gate.gate(record, job.given_up.is_set)
         return R.RESIDENT
     placement = tools.placement(record)
     if placement.runs:  # a process of it is unlocked: lock (or freeze) it again
-        tools.gate.gate(record)
+        tools.gate.gate(record, job.given_up.is_set)
     if placement.where is R.UNKNOWN and tools.swapper is not None:
         tools.swapper.swap_in(record)  # part of it in host RAM: all of it to the card
     placement = tools.placement(record)
@@ -77,6 +84,7 @@ def _mend(tools: Tools, job: Job, record: GatedRecord | None) -> Residency:
     if record.fenced and isinstance(tools.gate, CudaLockGate):
         record = tools.gate.unfence(record)  # the lock holds it again
     home = placement.where is R.HOST
+    _not_given_up(job)
     tools.state.put(
         replace(
             record,

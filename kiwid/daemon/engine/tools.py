@@ -70,8 +70,14 @@ class Tools:
             return Placement(Residency.RESIDENT)
         return self.swapper.placement(record)
 
-    def retrying(self, attempt: Callable[[], None], what: str) -> None:
+    def retrying(
+        self, attempt: Callable[[], None], what: str, given_up: threading.Event | None = None
+    ) -> None:
         """Call ``attempt`` until it works or ``retry_for_s`` has passed, backing off.
+
+        ``given_up``: the job's; once set (it ran past its deadline), a failed
+        attempt is not tried again: kiwid deals with the tenant since, and a late
+        attempt would write over what it did.
 
         Raises:
             GateError: the last attempt's failure (an ``OSError`` becomes one).
@@ -83,7 +89,8 @@ class Tools:
                 attempt()
             except (GateError, OSError) as err:
                 failure = err if isinstance(err, GateError) else _os_failure(err, what)
-                if self.clock() + delay > deadline:
+                late = given_up is not None and given_up.is_set()
+                if late or self.clock() + delay > deadline:
                     raise failure from err
                 log.warning("%s failed (%s); trying again in %.1f s", what, err, delay)
                 self.sleep(delay)

@@ -12,12 +12,13 @@ depend on the driver.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from kiwid.adapters import procs
 from kiwid.adapters.cgroups import CgroupLayout, FreezeError, cgroup_ids
 from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
-from kiwid.daemon.gating.gates import FreezeGate, GateError, make_record
+from kiwid.daemon.gating.gates import FreezeGate, GateError, make_record, never
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.tenants.tracker import TenantInfo
 
@@ -49,26 +50,41 @@ class CudaLockGate:
         ident = tenant.identity
         return make_record(tenant, self.method, ident.cgroup_v2, ident.cgroup_v1_freezer)
 
-    def gate(self, record: GatedRecord) -> None:
+    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
         """Lock every process; if one fails, unlock those already locked.
 
-        Raises:
-            GateError: a process could not be locked (none is left locked).
-        """
-        self._lock_all(record, record.pids)
+        ``cancelled``: checked before each lock. Once kiwid gave up on the gate (a
+        call hung past its deadline), it locks nothing more and undoes nothing:
+        what it locked before is fenced and recorded by kiwid since.
 
-    def follow(self, record: GatedRecord, pids: tuple[int, ...]) -> None:
+        Raises:
+            GateError: a process could not be locked (none is left locked, unless
+                cancelled), or the gate was cancelled.
+        """
+        self._lock_all(record, record.pids, cancelled)
+
+    def follow(
+        self, record: GatedRecord, pids: tuple[int, ...], cancelled: Callable[[], bool] = never
+    ) -> None:
         """Lock ``pids``, processes a gated tenant started since it was gated.
 
         A process with no CUDA context yet is left alone (it cannot run on the
         GPU; the next poll that lists it locks it).
 
         Raises:
-            GateError: one could not be locked (the others stay locked).
+            GateError: one could not be locked (the others stay locked), or kiwid
+                gave up on the follow (``cancelled``, as for :meth:`gate`).
         """
-        self._lock_all(record, pids, undo=False)
+        self._lock_all(record, pids, cancelled, undo=False)
 
-    def _lock_all(self, record: GatedRecord, pids: tuple[int, ...], *, undo: bool = True) -> None:
+    def _lock_all(
+        self,
+        record: GatedRecord,
+        pids: tuple[int, ...],
+        cancelled: Callable[[], bool],
+        *,
+        undo: bool = True,
+    ) -> None:
         done: list[int] = []
         for pid in pids:
             try:
@@ -77,11 +93,17 @@ class CudaLockGate:
                 # the record then would strand it.
                 if self._lock.state(pid) is not ProcessState.RUNNING:
                     continue
+                if cancelled():  # the state call hung past the deadline: too late
+                    raise GateError(
+                        f"{record.tenant}: not locking pid {pid}: kiwid gave up on this "
+                        "gate (a driver call ran past its deadline)",
+                        pid,
+                    )
                 self._lock.lock(pid, self._timeout_ms)
             except CudaLockError as err:
                 if err.name == "CUDA_ERROR_NOT_INITIALIZED" and procs.alive(pid):
                     continue  # no CUDA context (yet): nothing of it runs on the GPU
-                if undo:
+                if undo and not cancelled():  # given up: kiwid fenced these since
                     for locked in done:
                         with contextlib.suppress(CudaLockError):
                             self._lock.unlock(locked)
@@ -139,11 +161,16 @@ class CudaLockGate:
 
     def holds(self, tenant: TenantInfo) -> bool:
         """Whether a process of ``tenant`` is locked or checkpointed now."""
-        for pid in tenant.pids:
+        return bool(self.held(tenant.pids))
+
+    def held(self, pids: Iterable[int]) -> list[int]:
+        """Those of ``pids`` that are locked or checkpointed now."""
+        out: list[int] = []
+        for pid in sorted(pids):
             with contextlib.suppress(CudaLockError):
                 if self._lock.state(pid) is not ProcessState.RUNNING:
-                    return True
-        return False
+                    out.append(pid)
+        return out
 
     def forget(self, tenant: str) -> None:
         """Drop the fence's isolation cgroup, if any (the lock ends with the process)."""

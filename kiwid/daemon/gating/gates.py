@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from kiwid.adapters.cgroups import (
@@ -53,6 +54,11 @@ class GateError(Exception):
         self.answer = answer
 
 
+def never() -> bool:
+    """A job that kiwid has not given up on (the default ``cancelled``)."""
+    return False
+
+
 class TenantGate(Protocol):
     """Gate and ungate tenants."""
 
@@ -62,11 +68,15 @@ class TenantGate(Protocol):
         """Return the record that undoes a gate of ``tenant`` (no gating yet)."""
         ...
 
-    def gate(self, record: GatedRecord) -> None:
+    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
         """Stop the tenant's GPU work; on failure leave it running.
 
+        ``cancelled``: whether kiwid gave up on this gate (it ran past its
+        deadline). Checked before each change: a gate that kiwid gave up on must
+        not take later, behind the back of whatever kiwid did with the tenant since.
+
         Raises:
-            GateError: it could not be gated (it was left ungated).
+            GateError: it could not be gated (it was left ungated), or was cancelled.
         """
         ...
 
@@ -131,12 +141,15 @@ class FreezeGate:
         self._isolated[ident.key] = ref
         return ref
 
-    def gate(self, record: GatedRecord) -> None:
+    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
         """Freeze the tenant's cgroup and wait until it is frozen.
 
         Raises:
-            GateError: it did not freeze in time (it was thawed back).
+            GateError: it did not freeze in time (it was thawed back), or kiwid gave
+                up on this gate before it froze anything (``cancelled``).
         """
+        if cancelled():
+            raise GateError(f"{record.tenant}: not frozen: kiwid gave up on this gate")
         try:
             self._freezer.freeze(_ref(record))
         except (OSError, FreezeError) as err:
@@ -194,7 +207,7 @@ class NullGate:
         """Return a record that needs no undoing."""
         return make_record(tenant, self.method, None, None)
 
-    def gate(self, record: GatedRecord) -> None:
+    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
         """Do nothing."""
 
     def ungate(self, record: GatedRecord) -> None:

@@ -30,7 +30,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -201,6 +201,22 @@ class StateFile:
             if only is not None and self._records.get(record.tenant) != only:
                 return False
             self._write({**self._records, record.tenant: record})
+            return True
+
+    def update(
+        self, tenant: str, change: Callable[[GatedRecord | None], GatedRecord | None]
+    ) -> bool:
+        """Write what ``change`` makes of ``tenant``'s record (``None``: leave it as it is).
+
+        ``change`` sees the record as it stands, with no other write in between
+        (a swap recording where the memory went is never written over). Durable on
+        return; returns whether it was written.
+        """
+        with self._write_lock:
+            record = change(self._records.get(tenant))
+            if record is None or record == self._records.get(tenant):
+                return False
+            self._write({**self._records, tenant: record})
             return True
 
     def drop(self, tenant: str, only: GatedRecord | None = None) -> bool:

@@ -46,7 +46,9 @@ def info_of(tenant: CudaTenant) -> TenantInfo:
 
 
 def settle(tools: Tools, tenant: CudaTenant, *, hold: bool) -> list:
-    job = Job(0, KEY, Kind.SETTLE, frozenset({"0"}), info_of(tenant), hold=hold)
+    job = Job(0, KEY, Kind.SETTLE, frozenset({"0"}), info_of(tenant))
+    if hold:  # kiwid holds the tenant gated as the settle starts
+        job.hold.set()
     return gate_jobs.settle(tools, job)
 
 
@@ -134,3 +136,32 @@ def test_a_gate_given_up_on_locks_nothing_more_and_undoes_nothing(
     assert lock(tools).state(second) is RUNNING  # never locked after the give-up
     lock(tools).lock = real_lock  # type: ignore[method-assign]
     lock(tools).unlock(first)
+
+
+@pytest.mark.parametrize("give_up", [False, True])
+def test_a_lock_that_fails_after_the_give_up_undoes_none_of_the_others(
+    double: DriverDouble, tools: Tools, give_up: bool
+) -> None:
+    # Before the give-up, a failed lock unlocks the ones it took (the gate leaves
+    # the tenant running); after it, kiwid has fenced and recorded them: they stay.
+    tenant = double.spawn_tenant(GiB, processes=2)
+    first, second = tenant.pids()
+    double.fault(second, "lock", "fail", 999)
+    given_up = threading.Event()
+    real_lock = lock(tools).lock
+
+    def lock_then_fail(pid: int, timeout_ms: int) -> None:
+        if pid == second and give_up:
+            given_up.set()  # the deadline passes during the failing call
+        real_lock(pid, timeout_ms)
+
+    lock(tools).lock = lock_then_fail  # type: ignore[method-assign]
+    try:
+        with pytest.raises(GateError, match=f"pid {second}"):
+            tools.gate.gate(tools.gate.prepare(info_of(tenant)), given_up.is_set)
+    finally:
+        lock(tools).lock = real_lock  # type: ignore[method-assign]
+    assert lock(tools).state(first) is (LOCKED if give_up else RUNNING)
+    assert lock(tools).state(second) is RUNNING
+    if give_up:
+        lock(tools).unlock(first)

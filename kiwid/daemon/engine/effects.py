@@ -77,7 +77,8 @@ class Effects:
             log.exception("Carrying out %s of %s failed", job.kind.value, job.tenant)
             events = self._failed(job, err)
         for event in events:
-            if isinstance(event, TenantFaulted):
+            # A late job's fault is old news: whatever is recorded since stays.
+            if isinstance(event, TenantFaulted) and not job.given_up.is_set():
                 self.tools.record_fault(event)
         return events
 

@@ -206,6 +206,8 @@ class Engine:
         if self.runner is None or self.stopping:
             return
         for job in self.executor.startable():
+            if job.kind is Kind.SETTLE and self.scheduler.gated(job.tenant):
+                job.hold.set()  # kiwid's word after every job asked before it
             now = self._clock()
             self._started[job] = now
             nbytes = job.nbytes or sum(self.scheduler.peak(job.tenant).values())
@@ -241,8 +243,12 @@ class Engine:
             )
             events = late(job, now - started)
             self.apply(events)
-            stuck = self.scheduler.tenant_state(job.tenant) is TenantState.STUCK
-            if job.kind in MAY_RUN and events and stuck:  # it may run: fence it
+            # It may run: fence it, if kiwid holds it (stuck, or gated: a follow's
+            # fault is moot for a tenant gated already, its new process is not);
+            # never one released or let go since.
+            held = self.scheduler.tenant_state(job.tenant) is TenantState.STUCK
+            held = held or self.scheduler.gated(job.tenant)
+            if job.kind in MAY_RUN and events and held:
                 info = job.info or self.tracker.tenants.get(job.tenant)
                 fault = events[0] if isinstance(events[0], TenantFaulted) else None
                 self.executor.job(Kind.FENCE, job.tenant, job.gpus, info=info, fault=fault)
@@ -268,10 +274,10 @@ class Engine:
             return
         if job.kind in LOCKING:  # a lock in flight may have taken after kiwid gave up
             info = self.tracker.tenants.get(job.tenant) or job.info
-            hold = self.scheduler.gated(job.tenant)
-            self.executor.job(Kind.SETTLE, job.tenant, job.gpus, info=info, hold=hold)
+            self.executor.job(Kind.SETTLE, job.tenant, job.gpus, info=info)
             self._kick()
-        if job.kind in (Kind.UNGATE, Kind.RELEASE) and self.scheduler.gated(job.tenant):
+        letting_go = (Kind.UNGATE, Kind.RELEASE, Kind.SETTLE)
+        if job.kind in letting_go and self.scheduler.gated(job.tenant):
             reason = (
                 f"its {job.kind.value}, {seconds:.0f} s late, may have let it run: kiwid "
                 "holds it gated again"

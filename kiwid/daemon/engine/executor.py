@@ -118,9 +118,9 @@ class Job:
     """For a follow: the new processes to lock (pid -> start time)."""
     fault: TenantFaulted | None = None
     """For a fence: the fault that made it stuck (told again once it is fenced)."""
-    hold: bool = False
-    """For a settle: whether kiwid holds the tenant gated (the scheduler's word when
-    the late call returned; the tenant's earlier jobs run first)."""
+    hold: threading.Event = field(default_factory=threading.Event)
+    """For a settle: set as it starts if kiwid holds the tenant gated then (its
+    earlier jobs, a release say, have run and been heard by then)."""
     given_up: threading.Event = field(default_factory=threading.Event)
     """Set when it ran past its deadline: kiwid (a fence, an operator) deals with its
     tenant since, and a call that returns late must not fence it on its own."""
@@ -146,7 +146,6 @@ class Executor:
         sizes: dict[str, int] | None = None,
         pids: dict[int, int] | None = None,
         fault: TenantFaulted | None = None,
-        hold: bool = False,
     ) -> Job:
         """Queue the job that carries out ``action``.
 
@@ -168,7 +167,6 @@ class Executor:
             sizes,
             dict(pids or {}),
             fault,
-            hold,
         )
         self._queued.append(job)
         return job

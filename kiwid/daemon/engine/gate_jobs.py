@@ -122,7 +122,7 @@ def settle(tools: Tools, job: Job) -> list[Event]:
 
     Its call was in flight when kiwid gave up, and may have taken since, on a
     tenant that kiwid fenced, released or let go meanwhile. Where kiwid holds the
-    tenant gated (``job.hold``), or a record holds it, the gate stays and the
+    tenant gated as the settle starts (``job.hold``), or a record holds it, the gate stays and the
     record names it (its ungate and ``kiwid recover`` undo it); where kiwid lets it
     run, the gate is undone, recorded ahead like any gate so that nothing stays
     gated unrecorded. A gate that will not undo makes the tenant stuck, fenced.
@@ -148,7 +148,7 @@ def settle(tools: Tools, job: Job) -> list[Event]:
         missing = {p: s for p, s in starts.items() if p not in record.pids}
         return record.with_pids(missing) if missing else None
 
-    if job.hold or not tools.state.update(tenant, recorded_ahead):
+    if job.hold.is_set() or not tools.state.update(tenant, recorded_ahead):
         if tools.state.update(tenant, naming):
             log.warning("%s: recorded pid %s, gated late", who(info, tenant), pids)
         return []
@@ -162,14 +162,15 @@ def settle(tools: Tools, job: Job) -> list[Event]:
             tenant, "ungate", reason, contained=False, pid=err.pid, answer=err.answer
         )
         return [tools.fence(info, fault, job.given_up)]
-    tools.state.drop(tenant, only=fresh)
+    if not job.given_up.is_set():  # late: what is recorded since stays
+        tools.state.drop(tenant, only=fresh)
     return []
 
 
 def fence(tools: Tools, job: Job) -> list[Event]:
     """Fence a tenant whose gate or lock never answered: the fault, told as it now stands."""
     fault = job.fault or TenantFaulted(job.tenant, "gate", "its lock cannot be trusted")
-    return [tools.fence(job.info, fault)]
+    return [tools.fence(job.info, fault, job.given_up)]
 
 
 def forget(tools: Tools, job: Job) -> list[Event]:

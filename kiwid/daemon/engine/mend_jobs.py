@@ -77,11 +77,13 @@ def _mend(tools: Tools, job: Job, record: GatedRecord | None) -> Residency:
     if placement.runs:  # a process of it is unlocked: lock (or freeze) it again
         tools.gate.gate(record, job.given_up.is_set)
     if placement.where is R.UNKNOWN and tools.swapper is not None:
+        _not_given_up(job)
         tools.swapper.swap_in(record)  # part of it in host RAM: all of it to the card
     placement = tools.placement(record)
     if placement.where is R.UNKNOWN or placement.runs:
         raise GateError(f"{job.tenant}: still out of step: {placement.detail}")
     if record.fenced and isinstance(tools.gate, CudaLockGate):
+        _not_given_up(job)
         record = tools.gate.unfence(record)  # the lock holds it again
     home = placement.where is R.HOST
     _not_given_up(job)
@@ -105,7 +107,7 @@ def release(tools: Tools, job: Job) -> list[Event]:
     undo = recovery.undo_with(tools.state.dir, tools.gate, tools.swapper)
     why = recovery.release(record, undo(record), " on an operator's word")
     if why is None:
-        tools.state.drop(job.tenant)
+        tools.state.drop(job.tenant, only=record)  # a fence written since stays
         return [Released(job.tenant, complete=True, note="restored, unlocked and thawed")]
     after = tools.placement(record)
     log.error("Could not release %s whole: %s", name, why)

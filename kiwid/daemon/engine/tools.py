@@ -100,12 +100,13 @@ class Tools:
 
     def record_fault(self, fault: TenantFaulted) -> None:
         """Keep why a tenant is stuck in its record: a restarted kiwid keeps it stuck."""
-        record = self.state.records.get(fault.tenant)
-        if record is None:
-            return
         kept = RecordedFault(fault.operation, fault.reason, time.time(), fault.pid, fault.answer)
+
+        def with_fault(record: GatedRecord | None) -> GatedRecord | None:
+            return None if record is None else replace(record, fault=kept)
+
         try:
-            self.state.put(replace(record, fault=kept))
+            self.state.update(fault.tenant, with_fault)
         except OSError as err:
             log.warning("Cannot record why %s is stuck: %s", fault.tenant, err)
 
@@ -134,7 +135,7 @@ class Tools:
             try:
                 gate.freeze_fence(fenced)
             except GateError:
-                self.state.put(record)
+                self.state.put(record, only=fenced)  # unless another wrote since
                 raise
         except (GateError, OSError) as err:
             log.error("Cannot fence %s with the freezer: %s; it may run", fault.tenant, err)

@@ -1,0 +1,139 @@
+"""What the engine does with a job that ran past its deadline, when it returns.
+
+The real engine and its real effects over the scripted world of
+test_engine_properties.py, one scenario at a time: which jobs it asks for, and
+with what it starts them. (The driver-side half, on the driver double, is
+test_late_locks.py.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from kiwid.core.events import ActivitySeen, ReleaseAsked, TenantAttached, TenantFaulted
+from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
+from kiwid.daemon.engine import mend_jobs
+from kiwid.daemon.engine.executor import Job, Kind, Lanes
+from tests.daemon.test_engine_properties import DEADLINE_S, GiB, Harness
+
+GPU = frozenset({"0"})
+
+
+@pytest.fixture
+def h() -> Iterator[Harness]:
+    policy = GpuPolicy(
+        tq_s=300, idle_release_s=300, mode=Mode.EXCLUSIVE, capacity_bytes=40 * GiB,
+        reserve_bytes=GiB, swap=SwapMode.NONE,
+    )  # fmt: skip
+    harness = Harness({"0": policy, "1": policy}, ["ok"], Lanes())
+    started: list[tuple[Job, bool]] = []
+    start = harness.runner.start
+
+    def noting(job: Job) -> None:
+        started.append((job, job.hold.is_set()))  # what it starts with
+        start(job)
+
+    harness.runner.start = noting  # type: ignore[method-assign]
+    harness.started = started  # type: ignore[attr-defined]
+    try:
+        yield harness
+    finally:
+        harness.close()
+
+
+def t1_waits_gated(h: Harness) -> None:
+    """t0 holds GPU 0; t1 waits for it, gated."""
+    for tenant in ("t0", "t1"):
+        h.feed(TenantAttached(tenant, GPU))
+        h.feed(ActivitySeen(tenant))
+        h.drain([0])
+    assert h.engine.scheduler.tenant_state("t1") is TenantState.WAITING
+    assert "t1" in h.world.gated
+
+
+def take(h: Harness, kind: Kind, tenant: str) -> Job:
+    """Hand the pending ``kind`` job of ``tenant`` to the test (its call hangs)."""
+    job = next(j for j in h.runner.pending if j.kind is kind and j.tenant == tenant)
+    h.runner.pending.remove(job)
+    h.start(job)
+    h.hung.append(job)
+    return job
+
+
+def asked(h: Harness, kind: Kind, tenant: str) -> list[Job]:
+    jobs = [*h.runner.pending, *h.engine.executor.queued]
+    return [j for j in jobs if j.kind is kind and j.tenant == tenant]
+
+
+def test_a_follow_past_its_deadline_on_a_gated_tenant_is_fenced(h: Harness) -> None:
+    # The follow's fault is moot for a tenant gated already (its gate was answered),
+    # so it is not stuck; its new process may run all the same: it is fenced.
+    t1_waits_gated(h)
+    h.engine.follow("t1", {4242: 0})
+    take(h, Kind.FOLLOW, "t1")
+    h.clock.advance(DEADLINE_S + 1)
+    h.engine.expire()
+    assert asked(h, Kind.FENCE, "t1"), h.engine.executor.queued
+
+
+def test_a_late_lock_is_settled_by_the_word_after_the_release_asked_before(h: Harness) -> None:
+    # A follow of t1 hangs; then t1 is stuck, contained (a thaw refused), and the
+    # operator releases it. The follow returns while the release is still to run:
+    # the settle that follows must go by the release's outcome (t1 runs), not by
+    # what the scheduler said as the follow returned (gated).
+    t1_waits_gated(h)
+    h.engine.follow("t1", {4242: 0})
+    follow = take(h, Kind.FOLLOW, "t1")
+    h.clock.advance(DEADLINE_S + 1)
+    h.engine.expire()
+    h.drain([0])
+    h.engine.apply([TenantFaulted("t1", "ungate", "cgroup.freeze refused the thaw")])
+    h.feed(ReleaseAsked("t1"))
+    assert asked(h, Kind.RELEASE, "t1")
+    assert h.engine.scheduler.gated("t1"), "the release has not run yet"
+    h.end(follow)  # returns late, the release still to run
+    assert asked(h, Kind.SETTLE, "t1")
+    h.drain([0])
+    assert h.engine.scheduler.tenant_state("t1") is TenantState.RELEASED
+    started = h.started  # type: ignore[attr-defined]
+    settle, held = next((j, held) for j, held in started if j.kind is Kind.SETTLE)
+    assert settle.tenant == "t1" and not held, "settled as if kiwid held t1"
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_late_jobs_fault_is_not_written_into_the_record_that_stands_now(
+    h: Harness, late: bool
+) -> None:
+    # A late gate's "gave up" fault landed in the healthy record a later gate wrote,
+    # and a restarted kiwid brought the tenant back stuck.
+    t1_waits_gated(h)
+    job = Job(99, "t1", Kind.GATE, GPU)  # no info: it fails at once
+    if late:
+        job.given_up.set()
+    (fault,) = h.effects.carry_out(job)
+    assert isinstance(fault, TenantFaulted)
+    recorded = h.effects.state.records["t1"].fault
+    assert (recorded is None) == late, recorded
+
+
+def test_a_release_keeps_a_fence_written_while_it_ran(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The release hung past its deadline, kiwid fenced the tenant (a record that
+    # thaws it); when the release returned, it dropped that record: frozen for good.
+    t1_waits_gated(h)
+    state = h.effects.state
+    fenced = replace(state.records["t1"], fenced=True)
+
+    def fenced_meanwhile(record: object, undo: object, note: str = "") -> None:
+        state.put(fenced)  # what kiwid's fence wrote while the release hung
+        return  # restored, unlocked and thawed what it read
+
+    monkeypatch.setattr(mend_jobs.recovery, "release", fenced_meanwhile)
+    job = Job(99, "t1", Kind.RELEASE, GPU, h.tracker.tenants["t1"])
+    job.given_up.set()
+    mend_jobs.release(h.effects.tools, job)
+    assert state.records.get("t1") == fenced

@@ -129,6 +129,10 @@ class TenantFaulted:
     """The process the failing call was about, if one."""
     answer: str | None = None
     """What the driver (or the kernel) answered, e.g. ``CUDA_ERROR_OPERATING_SYSTEM (304)``."""
+    answers_gate: bool = True
+    """For ``gate``: whether it answers a :class:`Gate` asked (a gate job's fault). A
+    fault of a gated tenant's new process (a follow, its fence) answers none: it
+    counts even when no gate is outstanding."""
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ def faulted(table: TenantTable, event: TenantFaulted, now: float) -> set[GpuId]:
     tenant = table.tenants.get(event.tenant)
     if tenant is None or tenant.state is S.RELEASED:
         return set()  # (released: the answer to a job asked before the operator's word)
-    if event.operation == "gate" and not tenant.answer_gate():
+    if event.operation == "gate" and event.answers_gate and not tenant.answer_gate():
         return set(tenant.gpus)  # a gate it no longer needs (let go since) failed
     fault = Fault(event.operation, event.reason, now, event.contained, event.pid, event.answer)
     table.fault(tenant, fault, event.memory, now)

@@ -178,7 +178,8 @@ def test_a_gate_that_returns_after_the_operators_release_locks_nothing(
     # gate went on to lock the released tenant: locked with no record, so neither a
     # stop nor `kiwid recover` ever unlocked it.
     double = card.double
-    k, _a = a_holds(start_kiwid, workdir, card, timeout=1)
+    # TQ 5 s: b's gate, stuck, is tried again only after the operator's release.
+    k, _a = a_holds(start_kiwid, workdir, card, tq=5, timeout=1)
     b = card.arrive("b")
     (b_pid,) = b.pids()
     double.fault(b_pid, "state", "hang")  # b's gate asks first; until cleared

@@ -55,6 +55,7 @@ def late(job: Job, seconds: float) -> list[Event]:
         "the driver call has not returned"
     )
     if job.kind in (*MAY_RUN, Kind.FENCE):  # it may run (the call may yet return)
-        return [TenantFaulted(job.tenant, operation, reason, contained=False)]
+        answers = job.kind is not Kind.FOLLOW and job.kind is not Kind.FENCE
+        return [TenantFaulted(job.tenant, operation, reason, contained=False, answers_gate=answers)]
     moving = job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN, Kind.RETRY, Kind.RELEASE)
     return [TenantFaulted(job.tenant, operation, reason, Residency.UNKNOWN if moving else None)]

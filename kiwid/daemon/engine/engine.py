@@ -276,8 +276,9 @@ class Engine:
             info = self.tracker.tenants.get(job.tenant) or job.info
             self.executor.job(Kind.SETTLE, job.tenant, job.gpus, info=info)
             self._kick()
-        letting_go = (Kind.UNGATE, Kind.RELEASE, Kind.SETTLE)
-        if job.kind in letting_go and self.scheduler.gated(job.tenant):
+        undid = job.kind is Kind.SETTLE and not job.hold.is_set()  # it unlocked
+        let_go = job.kind in (Kind.UNGATE, Kind.RELEASE) or undid
+        if let_go and self.scheduler.gated(job.tenant):
             reason = (
                 f"its {job.kind.value}, {seconds:.0f} s late, may have let it run: kiwid "
                 "holds it gated again"

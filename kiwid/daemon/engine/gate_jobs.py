@@ -111,7 +111,9 @@ def follow(tools: Tools, job: Job) -> list[Event]:
         answer = err.answer if isinstance(err, GateError) else None
         reason = f"its new process could not be locked: {err}"
         log.error("%s: %s", who(job.info, job.tenant), reason)
-        fault = TenantFaulted(job.tenant, "gate", reason, pid=pid, answer=answer)
+        fault = TenantFaulted(
+            job.tenant, "gate", reason, pid=pid, answer=answer, answers_gate=False
+        )
         return [tools.fence(job.info, fault, job.given_up)]
     log.info("Locked %s's new process %s", who(job.info, job.tenant), ", ".join(map(str, new)))
     return []
@@ -169,7 +171,9 @@ def settle(tools: Tools, job: Job) -> list[Event]:
 
 def fence(tools: Tools, job: Job) -> list[Event]:
     """Fence a tenant whose gate or lock never answered: the fault, told as it now stands."""
-    fault = job.fault or TenantFaulted(job.tenant, "gate", "its lock cannot be trusted")
+    fault = job.fault or TenantFaulted(
+        job.tenant, "gate", "its lock cannot be trusted", answers_gate=False
+    )
     return [tools.fence(job.info, fault, job.given_up)]
 
 

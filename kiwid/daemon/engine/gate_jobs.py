@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from kiwid.core.events import Event, Gated, TenantFaulted, Ungated
 from kiwid.daemon.engine.executor import Job
-from kiwid.daemon.engine.tools import Tools, who
+from kiwid.daemon.engine.tools import Tools, not_given_up, who
 from kiwid.daemon.gating.cudagate import CudaLockGate
 from kiwid.daemon.gating.gates import GateError
 from kiwid.daemon.gating.record import GatedRecord
@@ -30,8 +30,7 @@ def gate(tools: Tools, job: Job) -> list[Event]:
         return [TenantFaulted(job.tenant, "gate", "unknown to the tenant table", contained=False)]
 
     def attempt() -> None:
-        if job.given_up.is_set():  # kiwid deals with the tenant since: hands off
-            raise GateError(f"{job.tenant}: not gated: kiwid gave up on this gate")
+        not_given_up(job, "gated")  # a retry after the deadline: hands off
         before = tools.state.records.get(job.tenant)  # a stuck tenant gated again
         record = tools.gate.prepare(info)
         if before is not None:
@@ -124,20 +123,26 @@ def settle(tools: Tools, job: Job) -> list[Event]:
 
     Its call was in flight when kiwid gave up, and may have taken since, on a
     tenant that kiwid fenced, released or let go meanwhile. Where kiwid holds the
-    tenant gated as the settle starts (``job.hold``), or a record holds it, the gate stays and the
-    record names it (its ungate and ``kiwid recover`` undo it); where kiwid lets it
-    run, the gate is undone, recorded ahead like any gate so that nothing stays
-    gated unrecorded. A gate that will not undo makes the tenant stuck, fenced.
+    tenant gated as the settle starts (``job.hold``), or a record holds it, the
+    gate stays and the record names it (its ungate and ``kiwid recover`` undo it);
+    where kiwid lets it run, the gate is undone, recorded ahead like any gate so
+    that nothing stays gated unrecorded. A gate that will not undo makes the
+    tenant stuck, fenced.
     """
     gate_, info, tenant = tools.gate, job.info, job.tenant
-    if info is None or not gate_.holds(info):
+    if info is None:
+        return []
+    if isinstance(gate_, CudaLockGate):  # one state call per process, not two
+        held = gate_.held(info.pids)
+    else:
+        held = sorted(info.pids) if gate_.holds(info) else []
+    if not held:
         return []  # the late call holds nothing
     try:
         fresh = gate_.prepare(info)
     except GateError as err:  # its cgroup is gone: so is what could hold it
         log.warning("%s: nothing to settle: %s", who(info, tenant), err)
         return []
-    held = gate_.held(info.pids) if isinstance(gate_, CudaLockGate) else sorted(info.pids)
     starts = {p: s or 0 for p, s in fresh.pid_starts().items() if p in held}
     pids = ", ".join(map(str, held))
 

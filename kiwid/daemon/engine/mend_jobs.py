@@ -19,7 +19,7 @@ from dataclasses import replace
 from kiwid.core.events import Event, Mended, Released, TenantFaulted
 from kiwid.core.residency import Residency
 from kiwid.daemon.engine.executor import Job
-from kiwid.daemon.engine.tools import Tools, who
+from kiwid.daemon.engine.tools import Tools, not_given_up, who
 from kiwid.daemon.gating import recovery
 from kiwid.daemon.gating.cudagate import CudaLockGate
 from kiwid.daemon.gating.gates import GateError
@@ -51,12 +51,6 @@ def retry(tools: Tools, job: Job) -> list[Event]:
     return [Mended(job.tenant, mended)]
 
 
-def _not_given_up(job: Job) -> None:
-    """Raise if kiwid gave up on ``job``: a late retry writes nothing over what came since."""
-    if job.given_up.is_set():
-        raise GateError(f"{job.tenant}: not mended: kiwid gave up on this retry")
-
-
 def _mend(tools: Tools, job: Job, record: GatedRecord | None) -> Residency:
     """Bring the tenant to gated-and-whole; where its memory is then.
 
@@ -69,7 +63,7 @@ def _mend(tools: Tools, job: Job, record: GatedRecord | None) -> Residency:
         if job.info is None:
             raise GateError(f"{job.tenant}: unknown to the tenant table")
         record = tools.gate.prepare(job.info)
-        _not_given_up(job)
+        not_given_up(job, "mended")
         tools.state.put(record)
         tools.gate.gate(record, job.given_up.is_set)
         return R.RESIDENT
@@ -77,16 +71,16 @@ def _mend(tools: Tools, job: Job, record: GatedRecord | None) -> Residency:
     if placement.runs:  # a process of it is unlocked: lock (or freeze) it again
         tools.gate.gate(record, job.given_up.is_set)
     if placement.where is R.UNKNOWN and tools.swapper is not None:
-        _not_given_up(job)
+        not_given_up(job, "mended")
         tools.swapper.swap_in(record)  # part of it in host RAM: all of it to the card
     placement = tools.placement(record)
     if placement.where is R.UNKNOWN or placement.runs:
         raise GateError(f"{job.tenant}: still out of step: {placement.detail}")
     if record.fenced and isinstance(tools.gate, CudaLockGate):
-        _not_given_up(job)
+        not_given_up(job, "mended")
         record = tools.gate.unfence(record)  # the lock holds it again
     home = placement.where is R.HOST
-    _not_given_up(job)
+    not_given_up(job, "mended")
     tools.state.put(
         replace(
             record,

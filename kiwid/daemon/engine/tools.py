@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from kiwid.core.events import TenantFaulted
 from kiwid.core.residency import Residency
+from kiwid.daemon.engine.executor import Job
 from kiwid.daemon.gating.cudagate import CudaLockGate
 from kiwid.daemon.gating.gates import GateError, TenantGate
 from kiwid.daemon.gating.record import GatedRecord, RecordedFault
@@ -160,6 +161,16 @@ def _as(fault: TenantFaulted, *, contained: bool, why: str) -> TenantFaulted:
 def _os_failure(err: OSError, what: str) -> GateError:
     answer = f"errno {err.errno}" if err.errno else None
     return GateError(f"{what}: cannot write the state file: {err.strerror or err}", None, answer)
+
+
+def not_given_up(job: Job, what: str) -> None:
+    """Go on only if kiwid has not given up on ``job``: a late job changes nothing more.
+
+    Raises:
+        GateError: it ran past its deadline; kiwid deals with its tenant since.
+    """
+    if job.given_up.is_set():
+        raise GateError(f"{job.tenant}: not {what}: kiwid gave up on its {job.kind.value}")
 
 
 def who(info: TenantInfo | None, tenant: str) -> str:

@@ -137,10 +137,13 @@ def regate_loose(p: Pass) -> None:
     """1b. A stuck tenant whose gate did not take (it may run) has it tried again when due.
 
     Until it takes, nobody else is let go on its GPUs; once it takes (``Gated``), the
-    tenant waits for its turn like any other.
+    tenant waits for its turn like any other. Not while an operator's release of it
+    runs: a gate asked then would run after the release (a tenant's jobs run in
+    order) and hold a tenant the release let go for good; the release's answer
+    decides (a release that fails leaves it stuck, and its gate due again).
     """
     for t in p.among:
-        if t.loose and not t.gated and p.now >= t.regate_at:
+        if t.loose and not t.gated and not t.mending and p.now >= t.regate_at:
             t.regate_at = p.now + p.table.policy_of(t).tq_s
             p.table.gate(t, p.actions)
 

@@ -94,7 +94,8 @@ def update_deadlines(
         if state is S.IDLE:
             continue
         if t.loose and not t.gated:
-            wake(t, t.regate_at)
+            if not t.mending:  # (a release in flight: its answer wakes the core)
+                wake(t, t.regate_at)
             continue
         if t.gated:
             for timer in (t.retry_at, t.adopting_until):

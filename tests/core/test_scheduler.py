@@ -201,6 +201,43 @@ def test_a_gate_answered_after_an_operators_release_is_old_news() -> None:
     assert h.state("b") is S.RELEASED and not h.sched.gated("b")
 
 
+def test_a_stuck_tenant_being_released_has_no_gate_tried_again() -> None:
+    # The engine's property test found it: the operator released a stuck tenant whose
+    # gate did not take; while the release ran, its gate came due again and was asked,
+    # and it ran after the release (a tenant's jobs run in order), gating a tenant the
+    # core had just let go for good ("released": it runs, but nothing ungates it).
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    now = h.clock.now
+    h.sched.handle(TenantFaulted("b", "swap-out", "checkpoint hung", contained=False), now())
+    assert h.sched.handle(ReleaseAsked("b"), now()) == [Release("b")]
+    for _ in range(3):  # its gate would be tried again every TQ
+        h.clock.advance(30)
+        assert Gate("b") not in h.sched.handle(Tick(), now()), "gate asked during a release"
+    deadline = h.sched.next_deadline()
+    assert deadline is None or deadline > now(), "a timer that is due and does nothing"
+    h.sched.handle(Released("b", complete=True), now())
+    assert h.state("b") is S.RELEASED and not h.sched.gated("b")
+
+
+def test_a_release_that_fails_has_the_gate_tried_again() -> None:
+    # Its gate waits for the release's answer, not for ever: a release that left the
+    # tenant loose (free to run) has its gate tried again a TQ later.
+    h = Harness()
+    h.attach("a", "b")
+    h.active("a", "b")
+    now = h.clock.now
+    h.sched.handle(TenantFaulted("b", "swap-out", "checkpoint hung", contained=False), now())
+    h.sched.handle(ReleaseAsked("b"), now())
+    h.clock.advance(30)
+    h.sched.handle(Tick(), now())
+    h.sched.handle(Released("b", complete=False, note="thaw failed", contained=False), now())
+    assert h.state("b") is S.STUCK
+    h.clock.advance(30)
+    assert Gate("b") in h.sched.handle(Tick(), now())
+
+
 def test_a_gate_that_takes_does_not_mend_a_tenant_whose_memory_is_nowhere_known() -> None:
     # The engine's property test found it: a swap that hung left a tenant stuck with
     # its memory "unknown" and its gate not taken; the gate, tried again, took and

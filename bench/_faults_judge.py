@@ -233,7 +233,8 @@ class Judge:
                 counts.rotation += 1
                 self.details.append(
                     f"[{self.cell}] rotation: {name} made no progress for {now - when:.1f} s "
-                    f"(bound {self.bound_s:.1f} s; states {dict(sorted(self.states.items()))})"
+                    f"(bound {self.bound_s:.1f} s; states {dict(sorted(self.states.items()))}; "
+                    f"the card: {snap.detail})"
                 )
 
     def summary(self) -> dict[str, Any]:

@@ -271,7 +271,11 @@ class Matrix:
             return "unresolved"
         before = self.rig.snapshot().progress[tenant.name]
         if not wait_until(lambda: self.rig.snapshot().progress[tenant.name] > before, 5):
-            self.judge.note(f"{tenant.name} released, yet it made no progress in 5 s")
+            status = self.rig.daemon.ctl("status").stdout.strip().replace("\n", " | ")
+            self.judge.note(
+                f"{tenant.name} released, yet it made no progress in 5 s; the card: "
+                f"{self.rig.snapshot().detail}; kiwid: {status}"
+            )
         self.rig.clear()
         back = self._ctl_retry(tenant, "back into the rotation")
 

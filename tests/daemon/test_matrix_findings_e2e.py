@@ -200,3 +200,35 @@ def test_a_gate_that_returns_after_the_operators_release_locks_nothing(
     assert out.returncode == 0, out.stdout + out.stderr
     assert double.state(b_pid) == cudadir.RUNNING
     assert not frozen(b.cgroup)
+
+
+def test_a_release_that_runs_while_the_gate_comes_due_again_leaves_the_tenant_running(
+    start_kiwid, workdir: Path, card: Card
+) -> None:
+    # Matrix unlock/multi: a two-process tenant whose unlock failed was fenced; the
+    # operator's release failed (its first process unlocked, the fence still on:
+    # kiwid counts it as free to run, so its gate is tried again a TQ later). The
+    # second release ran while that gate came due: the gate, queued behind the
+    # release, locked the tenant again once it was released. Locked, it made no
+    # progress, and a retry put it "back in the rotation" where it never showed work.
+    double = card.double
+    k, _a = a_holds(start_kiwid, workdir, card, tq=2, timeout=5)
+    b = card.arrive("b", TENANT // 2, processes=2)
+    first, second = b.pids()
+    key = card.key(b)
+    k.until(lambda: double.state(second) != cudadir.RUNNING, 10, "b to be gated")
+    double.fault(second, "unlock", "fail", CUDA_ERROR_UNKNOWN, times=1000)
+    k.until(lambda: k.tenant(key).get("state") == "stuck", 30, "b to be stuck")
+    failed = k.ctl("release", key)
+    assert failed.returncode != 0, failed.stdout + failed.stderr
+    assert not k.tenant(key)["stuck_reason"]["contained"]  # its gate is due in a TQ
+    double.fault(second, "unlock", "hang", 3.0)  # (> TQ) the next unlock works, slowly
+    release = k.ctl("release", key)
+    assert release.returncode == 0, release.stdout + release.stderr
+    assert k.tenant(key).get("state") == "released"
+    done = b.progress()
+    k.until(lambda: b.progress() > done, 10, f"b, released, to work\n{k.log_text()[-3000:]}")
+    time.sleep(2 * 2)  # two TQs: nothing of kiwid's comes to gate it again
+    assert double.state(first) == double.state(second) == cudadir.RUNNING
+    assert not frozen(b.cgroup)
+    assert k.tenant(key).get("state") == "released"

@@ -8,12 +8,19 @@ test_late_locks.py.)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 
-from kiwid.core.events import ActivitySeen, ReleaseAsked, TenantAttached, TenantFaulted
+from kiwid.core.events import (
+    ActivitySeen,
+    ReleaseAsked,
+    Released,
+    TenantAttached,
+    TenantFaulted,
+)
 from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
 from kiwid.daemon.engine import mend_jobs
 from kiwid.daemon.engine.executor import Job, Kind, Lanes
@@ -131,7 +138,7 @@ def test_a_release_keeps_a_fence_written_while_it_ran(
     state = h.effects.state
     fenced = replace(state.records["t1"], fenced=True)
 
-    def fenced_meanwhile(record: object, undo: object, note: str = "") -> None:
+    def fenced_meanwhile(record: object, undo: object, note: str = "", again: str = "") -> None:
         state.put(fenced)  # what kiwid's fence wrote while the release hung
         return  # restored, unlocked and thawed what it read
 
@@ -139,3 +146,19 @@ def test_a_release_keeps_a_fence_written_while_it_ran(
     job = Job(99, "t1", Kind.RELEASE, GPU, h.tracker.tenants["t1"])
     mend_jobs.release(h.effects.tools, job)
     assert state.records.get("t1") == fenced
+
+
+def test_a_release_whose_restore_fails_names_the_command_that_tries_again(h: Harness) -> None:
+    # The operator's release could not restore the tenant's memory, and told the
+    # operator to run `kiwid recover` again: a command for when kiwid is stopped.
+    t1_waits_gated(h)
+    state, me = h.effects.state, os.getpid()  # a live process, as the release checks
+    away = replace(state.records["t1"], pids=(me,), swapped={"0": GiB}, swap_method="checkpoint")
+    state.put(away)
+    h.world.out.add("t1")
+    h.world.fates = ["fail"]  # the restore: out of memory
+    job = Job(99, "t1", Kind.RELEASE, GPU, h.tracker.tenants["t1"])
+    (released,) = mend_jobs.release(h.effects.tools, job)
+    assert isinstance(released, Released) and not released.complete
+    assert "run `kiwictl release t1` again" in released.note, released.note
+    assert state.records["t1"] == away

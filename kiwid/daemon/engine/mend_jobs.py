@@ -99,7 +99,8 @@ def release(tools: Tools, job: Job) -> list[Event]:
     if record is None:
         return [Released(job.tenant, complete=True, note="kiwid held nothing of it")]
     undo = recovery.undo_with(tools.state.dir, tools.gate, tools.swapper)
-    why = recovery.release(record, undo(record), " on an operator's word")
+    again = f"kiwictl release {job.tenant}"
+    why = recovery.release(record, undo(record), " on an operator's word", again)
     if why is None:
         tools.state.drop(job.tenant, only=record)  # a fence written since stays
         return [Released(job.tenant, complete=True, note="restored, unlocked and thawed")]

@@ -72,14 +72,17 @@ def alive(record: GatedRecord) -> bool:
     return any(procs.alive(pid, start) for pid, start in record.pid_starts().items())
 
 
-def release(record: GatedRecord, undo: Undo, note: str = "") -> str | None:
+def release(
+    record: GatedRecord, undo: Undo, note: str = "", again: str = "kiwid recover"
+) -> str | None:
     """Restore (if alive), ungate and unfence one tenant; why not, if it could not.
 
     The driver's word decides, not only the record: a tenant locked by the CUDA
     gate has every checkpointed process restored before it is unlocked, also
     when the record says nothing of host RAM (a kiwid killed during a
     checkpoint), and a checkpoint that ended meanwhile is restored in turn.
-    ``note`` ends the log line (e.g. who left it gated).
+    ``note`` ends the log line (e.g. who left it gated); ``again`` is the command
+    that tries once more, named in the advice when memory stays in host RAM.
     """
     if record.swapped and not alive(record):
         log.info("Dropped %s: its processes are gone (and its host memory)", record.tenant)
@@ -91,7 +94,7 @@ def release(record: GatedRecord, undo: Undo, note: str = "") -> str | None:
             nbytes = sum((record.swapped or {}).values())
             return (
                 f"its memory ({nbytes} bytes by the record) stays in host RAM and it stays "
-                f"gated ({err}). Free GPU memory (stop another job) and run `kiwid recover` "
+                f"gated ({err}). Free GPU memory (stop another job) and run `{again}` "
                 f"again, or end the tenant (pids {' '.join(map(str, record.pids))})"
             )
         try:

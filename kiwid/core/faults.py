@@ -29,7 +29,9 @@ def gated(table: TenantTable, tid: TenantId, now: float) -> set[GpuId]:
     if not tenant.answer_gate():  # stale, or superseded by a later let-go
         return set(tenant.gpus)  # it may no longer be in the way of anyone
     answered = tenant.gates_done == tenant.gates_asked
-    if tenant.state is S.STUCK and tenant.loose and tenant.gated and answered:
+    # An operator's release or retry under way decides, not a gate asked before it.
+    mends = not tenant.mending
+    if tenant.state is S.STUCK and tenant.loose and tenant.gated and answered and mends:
         if tenant.residency is R.UNKNOWN and tenant.fault is not None:
             # Gated now, but only a retry finds where its memory is: it stays stuck,
             # contained (never let go with its memory nowhere known).

@@ -12,6 +12,10 @@ from kiwid.core.residency import Residency
 S = TenantState
 
 
+OPERATORS_JOBS = frozenset({"retry", "release"})
+"""The operations of the jobs an operator asks for (``kiwictl retry``, ``release``)."""
+
+
 @dataclass(frozen=True)
 class Fault:
     """Why a tenant is stuck."""
@@ -99,7 +103,11 @@ class TenantRecord:
     regate_at: float = math.inf
     """Stuck and not contained: when its gate is tried again."""
     mending: bool = False
-    """Stuck, and a :class:`~kiwid.core.events.Retry` or ``Release`` is under way."""
+    """Stuck, and a :class:`~kiwid.core.events.Retry` or ``Release`` is under way.
+
+    Until that job answers (``Mended``, ``Released``, or a fault of its own), no gate
+    is asked or taken for the tenant: its jobs run in order, so a gate asked now
+    would run after the release and hold a tenant let go for good."""
     released_note: str | None = None
     """Released by an operator: what the release said (``RELEASED`` only)."""
     waiting_for: str | None = None

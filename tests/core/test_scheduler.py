@@ -14,6 +14,7 @@ from kiwid.core.events import (
     Release,
     ReleaseAsked,
     Released,
+    RetryAsked,
     TenantAttached,
     TenantDetached,
     TenantFaulted,
@@ -219,6 +220,59 @@ def test_a_stuck_tenant_being_released_has_no_gate_tried_again() -> None:
     assert deadline is None or deadline > now(), "a timer that is due and does nothing"
     h.sched.handle(Released("b", complete=True), now())
     assert h.state("b") is S.RELEASED and not h.sched.gated("b")
+
+
+def b_loose_with_its_gate_asked_again() -> Harness:
+    """a holds; b is stuck, free to run, and its gate (tried again) is asked, not answered."""
+    h = Harness()
+    h.attach("a", "b", "c")
+    h.active("a", "b", "c")
+    now = h.clock.now
+    h.sched.handle(TenantFaulted("b", "swap-out", "checkpoint hung", contained=False), now())
+    h.clock.advance(30)
+    assert Gate("b") in h.sched.handle(Tick(), now())  # its gate, tried again
+    return h
+
+
+def test_a_gate_that_takes_while_a_release_waits_its_turn_mends_nothing() -> None:
+    # A review found it: the gate tried again was in flight when the
+    # operator asked the release; it took first, and mended the tenant (waiting, gated,
+    # the others let go beside it); then the release unlocked it, and its answer was
+    # ignored (not stuck): b ran unseen beside the next holder.
+    h = b_loose_with_its_gate_asked_again()
+    now = h.clock.now
+    assert h.sched.handle(ReleaseAsked("b"), now()) == [Release("b")]
+    h.sched.handle(Gated("b"), now())  # the gate asked before the release
+    assert h.state("b") is S.STUCK, "mended though a release is under way"
+    h.sched.handle(Released("b", complete=True), now())
+    assert h.state("b") is S.RELEASED and not h.sched.gated("b")
+
+
+def test_a_fault_while_a_release_runs_asks_nothing_more_of_the_tenant() -> None:
+    # A fault (the gate asked before the release failed, or ran past its deadline)
+    # ended the release's "under way": a TQ later the gate was asked again, behind
+    # the release; an operator's retry or a second release was taken meanwhile.
+    h = b_loose_with_its_gate_asked_again()
+    now = h.clock.now
+    h.sched.handle(ReleaseAsked("b"), now())
+    late = TenantFaulted("b", "gate", "its gate ran past its deadline", contained=False)
+    h.sched.handle(late, now())
+    assert h.state("b") is S.STUCK
+    for _ in range(3):
+        h.clock.advance(30)
+        assert Gate("b") not in h.sched.handle(Tick(), now()), "gate asked during a release"
+    assert h.sched.handle(RetryAsked("b"), now()) == []
+    assert h.sched.handle(ReleaseAsked("b"), now()) == []
+    h.sched.handle(Released("b", complete=True), now())
+    assert h.state("b") is S.RELEASED and not h.sched.gated("b")
+
+
+def test_a_retry_answers_for_itself_and_a_release_after_it_is_taken() -> None:
+    h = b_loose_with_its_gate_asked_again()
+    now = h.clock.now
+    h.sched.handle(ReleaseAsked("b"), now())
+    h.sched.handle(TenantFaulted("b", "release", "unlock refused", contained=False), now())
+    assert h.sched.handle(ReleaseAsked("b"), now()) == [Release("b")]  # its answer came
 
 
 def test_a_release_that_fails_has_the_gate_tried_again() -> None:

@@ -20,6 +20,7 @@ and returns later. Checked at every step:
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -233,8 +234,9 @@ class Harness:
             info = self.tracker.tenants.get(event.tenant)
             if info is None:
                 ident = Identity(event.tenant, "cgroup", event.tenant, dedicated=True)
-                pid = 100 + TENANTS.index(event.tenant)
-                info = self.tracker.tenants[event.tenant] = TenantInfo(ident, {pid})
+                # A live process: a release asks /proc whether the tenant's processes
+                # live (the world's live while attached), or drops its record as gone.
+                info = self.tracker.tenants[event.tenant] = TenantInfo(ident, {os.getpid()})
             info.gpus = event.gpus
         elif isinstance(event, TenantDetached):
             gone = self.tracker.tenants.pop(event.tenant, None)

@@ -20,11 +20,14 @@ from kiwid.core.events import (
     Released,
     TenantAttached,
     TenantFaulted,
+    Tick,
 )
 from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState
 from kiwid.daemon.engine import mend_jobs
 from kiwid.daemon.engine.executor import Job, Kind, Lanes
-from tests.daemon.test_engine_properties import DEADLINE_S, GiB, Harness
+from kiwid.daemon.gating.cudagate import CudaLockGate
+from kiwid.daemon.gating.record import GatedRecord
+from tests.daemon.test_engine_properties import DEADLINE_S, GiB, Harness, ScriptedGate
 
 GPU = frozenset({"0"})
 
@@ -162,3 +165,95 @@ def test_a_release_whose_restore_fails_names_the_command_that_tries_again(h: Har
     assert isinstance(released, Released) and not released.complete
     assert "run `kiwictl release t1` again" in released.note, released.note
     assert state.records["t1"] == away
+
+
+class FencingGate(ScriptedGate, CudaLockGate):
+    """The scripted gate with a freezer fence, as the CUDA lock gate has: a fenced
+    tenant is held in the world until its fence is undone."""
+
+    def fence(self, tenant: object, record: GatedRecord) -> GatedRecord:
+        return replace(record, cgroup_v2=f"/kiwi/{record.tenant}", fenced=True)
+
+    def freeze_fence(self, record: GatedRecord) -> None:
+        self.world.gated.add(record.tenant)
+
+    def unfence(self, record: GatedRecord) -> GatedRecord:
+        return replace(record, fenced=False)
+
+    def held(self, pids: object) -> list[int]:
+        return [os.getpid()] if "t1" in self.world.gated else []
+
+
+def t1_loose_its_gate_in_flight_and_released(fencing: bool = False) -> tuple[Harness, Job]:
+    """t0 holds; t1 is stuck and may run; its gate, tried again, is in flight when the
+    operator asks for its release (queued behind the gate)."""
+    policy = GpuPolicy(
+        tq_s=5, idle_release_s=300, mode=Mode.EXCLUSIVE, capacity_bytes=40 * GiB,
+        reserve_bytes=GiB, swap=SwapMode.NONE,
+    )  # fmt: skip
+    h = Harness({"0": policy, "1": policy}, ["ok"], Lanes())
+    if fencing:
+        h.effects.tools.gate = FencingGate(h.world)  # type: ignore[assignment]
+    t1_waits_gated(h)
+    h.world.gated.discard("t1")  # a hung checkpoint left it running
+    h.engine.apply([TenantFaulted("t1", "swap-out", "checkpoint hung", contained=False)])
+    h.clock.advance(policy.tq_s)
+    h.feed(Tick())
+    gate = take(h, Kind.GATE, "t1")
+    h.hung.remove(gate)  # in flight: the test ends it
+    h.feed(ReleaseAsked("t1"))
+    assert asked(h, Kind.RELEASE, "t1")
+    return h, gate
+
+
+def released_and_running(h: Harness) -> None:
+    assert h.engine.scheduler.tenant_state("t1") is TenantState.RELEASED
+    assert "t1" not in h.world.gated, "released, yet held"
+    assert "t1" not in h.effects.state.records
+
+
+def test_a_gate_that_takes_before_the_release_runs_leaves_the_release_the_word() -> None:
+    h, gate = t1_loose_its_gate_in_flight_and_released()
+    try:
+        h.end(gate)  # it takes; the release runs next (the check runs at every step)
+        h.drain([0])
+        released_and_running(h)
+    finally:
+        h.close()
+
+
+def test_a_gate_that_fails_while_a_release_waits_asks_no_gate_behind_it() -> None:
+    h, gate = t1_loose_its_gate_in_flight_and_released()
+    try:
+        h.world.fates = ["fail"]
+        h.end(gate)
+        h.world.fates = ["ok"]
+        release = take(h, Kind.RELEASE, "t1")  # it restores the whole tenant: slow
+        h.hung.remove(release)
+        h.clock.advance(5 * 3)  # three TQs
+        h.engine.expire()
+        h.feed(Tick())
+        assert not asked(h, Kind.GATE, "t1"), "a gate asked behind the release"
+        h.end(release)
+        h.drain([0])
+        released_and_running(h)
+    finally:
+        h.close()
+
+
+def test_a_gate_past_its_deadline_fences_nothing_that_the_release_let_go() -> None:
+    # The gate hung past its deadline with the release queued: kiwid queued a fence
+    # behind the release, and it froze the tenant the release had just let run.
+    h, gate = t1_loose_its_gate_in_flight_and_released(fencing=True)
+    try:
+        h.hung.append(gate)
+        h.clock.advance(DEADLINE_S + 1)
+        h.engine.expire()
+        assert asked(h, Kind.FENCE, "t1")  # behind the release
+        h.drain([0])
+        released_and_running(h)
+        h.release_hung()  # the gate's call returns: what it did is settled
+        h.drain([0])
+        released_and_running(h)
+    finally:
+        h.close()

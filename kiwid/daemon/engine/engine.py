@@ -206,8 +206,11 @@ class Engine:
         if self.runner is None or self.stopping:
             return
         for job in self.executor.startable():
+            # kiwid's word after every job asked before it (a release, say)
             if job.kind is Kind.SETTLE and self.scheduler.gated(job.tenant):
-                job.hold.set()  # kiwid's word after every job asked before it
+                job.hold.set()
+            if job.kind is Kind.FENCE and self._holds(job.tenant):
+                job.hold.set()
             now = self._clock()
             self._started[job] = now
             nbytes = job.nbytes or sum(self.scheduler.peak(job.tenant).values())
@@ -245,14 +248,18 @@ class Engine:
             self.apply(events)
             # It may run: fence it, if kiwid holds it (stuck, or gated: a follow's
             # fault is moot for a tenant gated already, its new process is not);
-            # never one released or let go since.
-            held = self.scheduler.tenant_state(job.tenant) is TenantState.STUCK
-            held = held or self.scheduler.gated(job.tenant)
-            if job.kind in MAY_RUN and events and held:
+            # never one released or let go since, nor by the time the fence starts.
+            if job.kind in MAY_RUN and events and self._holds(job.tenant):
                 info = job.info or self.tracker.tenants.get(job.tenant)
                 fault = events[0] if isinstance(events[0], TenantFaulted) else None
                 self.executor.job(Kind.FENCE, job.tenant, job.gpus, info=info, fault=fault)
         self._kick()
+
+    def _holds(self, tenant: str) -> bool:
+        """Whether kiwid holds ``tenant``: stuck, or gated (not released, nor let go)."""
+        return self.scheduler.tenant_state(tenant) is TenantState.STUCK or self.scheduler.gated(
+            tenant
+        )
 
     def _returned_late(self, job: Job, started: float, events: list[Event]) -> None:
         """A call that ran past its deadline returned: what it says is old news.

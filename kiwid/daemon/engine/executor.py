@@ -119,8 +119,9 @@ class Job:
     fault: TenantFaulted | None = None
     """For a fence: the fault that made it stuck (told again once it is fenced)."""
     hold: threading.Event = field(default_factory=threading.Event)
-    """For a settle: set as it starts if kiwid holds the tenant gated then (its
-    earlier jobs, a release say, have run and been heard by then)."""
+    """For a settle: set as it starts if kiwid holds the tenant gated then; for a
+    fence: if kiwid holds it (stuck or gated) then. Its earlier jobs, a release
+    say, have run and been heard by then."""
     given_up: threading.Event = field(default_factory=threading.Event)
     """Set when it ran past its deadline: kiwid (a fence, an operator) deals with its
     tenant since, and a call that returns late must not fence it on its own."""

@@ -175,7 +175,14 @@ def settle(tools: Tools, job: Job) -> list[Event]:
 
 
 def fence(tools: Tools, job: Job) -> list[Event]:
-    """Fence a tenant whose gate or lock never answered: the fault, told as it now stands."""
+    """Fence a tenant whose gate or lock never answered: the fault, told as it now stands.
+
+    Only if kiwid still holds the tenant as the fence starts (``job.hold``): an
+    operator's release that ran before it lets the tenant run, for good.
+    """
+    if not job.hold.is_set():
+        log.info("Not fencing %s: kiwid let it go since", who(job.info, job.tenant))
+        return []
     fault = job.fault or TenantFaulted(
         job.tenant, "gate", "its lock cannot be trusted", answers_gate=False
     )

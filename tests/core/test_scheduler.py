@@ -213,13 +213,17 @@ def test_a_stuck_tenant_being_released_has_no_gate_tried_again() -> None:
     now = h.clock.now
     h.sched.handle(TenantFaulted("b", "swap-out", "checkpoint hung", contained=False), now())
     assert h.sched.handle(ReleaseAsked("b"), now()) == [Release("b")]
-    for _ in range(3):  # its gate would be tried again every TQ
-        h.clock.advance(30)
-        assert Gate("b") not in h.sched.handle(Tick(), now()), "gate asked during a release"
+    no_gate_of_b_for_three_tqs(h)
     deadline = h.sched.next_deadline()
     assert deadline is None or deadline > now(), "a timer that is due and does nothing"
     h.sched.handle(Released("b", complete=True), now())
     assert h.state("b") is S.RELEASED and not h.sched.gated("b")
+
+
+def no_gate_of_b_for_three_tqs(h: Harness) -> None:
+    for _ in range(3):  # its gate would be tried again every TQ
+        h.clock.advance(30)
+        assert Gate("b") not in h.sched.handle(Tick(), h.clock.now()), "gate asked in a release"
 
 
 def b_loose_with_its_gate_asked_again() -> Harness:
@@ -235,10 +239,10 @@ def b_loose_with_its_gate_asked_again() -> Harness:
 
 
 def test_a_gate_that_takes_while_a_release_waits_its_turn_mends_nothing() -> None:
-    # A review found it: the gate tried again was in flight when the
-    # operator asked the release; it took first, and mended the tenant (waiting, gated,
-    # the others let go beside it); then the release unlocked it, and its answer was
-    # ignored (not stuck): b ran unseen beside the next holder.
+    # A review found it: the gate tried again was in flight when the operator asked
+    # the release; it took first, and mended the tenant (waiting, gated, the others
+    # let go beside it); then the release unlocked it, and its answer was ignored
+    # (not stuck): b ran unseen beside the next holder.
     h = b_loose_with_its_gate_asked_again()
     now = h.clock.now
     assert h.sched.handle(ReleaseAsked("b"), now()) == [Release("b")]
@@ -258,16 +262,14 @@ def test_a_fault_while_a_release_runs_asks_nothing_more_of_the_tenant() -> None:
     late = TenantFaulted("b", "gate", "its gate ran past its deadline", contained=False)
     h.sched.handle(late, now())
     assert h.state("b") is S.STUCK
-    for _ in range(3):
-        h.clock.advance(30)
-        assert Gate("b") not in h.sched.handle(Tick(), now()), "gate asked during a release"
+    no_gate_of_b_for_three_tqs(h)
     assert h.sched.handle(RetryAsked("b"), now()) == []
     assert h.sched.handle(ReleaseAsked("b"), now()) == []
     h.sched.handle(Released("b", complete=True), now())
     assert h.state("b") is S.RELEASED and not h.sched.gated("b")
 
 
-def test_a_retry_answers_for_itself_and_a_release_after_it_is_taken() -> None:
+def test_a_release_that_fails_ends_its_turn_and_another_may_be_asked() -> None:
     h = b_loose_with_its_gate_asked_again()
     now = h.clock.now
     h.sched.handle(ReleaseAsked("b"), now())

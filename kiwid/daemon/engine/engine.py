@@ -257,9 +257,8 @@ class Engine:
 
     def _holds(self, tenant: str) -> bool:
         """Whether kiwid holds ``tenant``: stuck, or gated (not released, nor let go)."""
-        return self.scheduler.tenant_state(tenant) is TenantState.STUCK or self.scheduler.gated(
-            tenant
-        )
+        stuck = self.scheduler.tenant_state(tenant) is TenantState.STUCK
+        return stuck or self.scheduler.gated(tenant)
 
     def _returned_late(self, job: Job, started: float, events: list[Event]) -> None:
         """A call that ran past its deadline returned: what it says is old news.

@@ -129,10 +129,12 @@ class TenantFaulted:
     """The process the failing call was about, if one."""
     answer: str | None = None
     """What the driver (or the kernel) answered, e.g. ``CUDA_ERROR_OPERATING_SYSTEM (304)``."""
-    answers_gate: bool = True
-    """For ``gate``: whether it answers a :class:`Gate` asked (a gate job's fault). A
-    fault of a gated tenant's new process (a follow, its fence) answers none: it
-    counts even when no gate is outstanding."""
+    answers: bool = True
+    """Whether it is the answer of the job its operation names, which the core
+    counts: for ``gate``, of a :class:`Gate` asked; for ``retry`` and ``release``, of
+    the operator's job under way. A fault of a gated tenant's new process (a follow),
+    a fence's telling of a fault, or a call that returned late answers nothing: it
+    counts as it comes, and ends no operator's job."""
 
 
 @dataclass(frozen=True)

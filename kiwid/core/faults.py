@@ -15,7 +15,7 @@ from kiwid.core.model import GpuId, TenantId, TenantState
 from kiwid.core.residency import Residency, settle
 from kiwid.core.states import Trigger
 from kiwid.core.table import TenantTable
-from kiwid.core.tenant import Fault
+from kiwid.core.tenant import OPERATORS_JOBS, Fault
 
 S = TenantState
 R = Residency
@@ -68,10 +68,12 @@ def faulted(table: TenantTable, event: TenantFaulted, now: float) -> set[GpuId]:
     tenant = table.tenants.get(event.tenant)
     if tenant is None or tenant.state is S.RELEASED:
         return set()  # (released: the answer to a job asked before the operator's word)
-    if event.operation == "gate" and event.answers_gate and not tenant.answer_gate():
+    if event.operation == "gate" and event.answers and not tenant.answer_gate():
         return set(tenant.gpus)  # a gate it no longer needs (let go since) failed
     fault = Fault(event.operation, event.reason, now, event.contained, event.pid, event.answer)
     table.fault(tenant, fault, event.memory, now)
+    if event.operation in OPERATORS_JOBS and event.answers:
+        tenant.mending = False  # the operator's job answered (any other fault: it still runs)
     return set(tenant.gpus)
 
 

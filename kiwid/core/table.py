@@ -19,7 +19,7 @@ from kiwid.core.memory import HostMemory
 from kiwid.core.model import GpuId, GpuPolicy, Mode, TenantId, TenantState
 from kiwid.core.residency import Move, Residency, move, settle
 from kiwid.core.states import Trigger, transition
-from kiwid.core.tenant import OPERATORS_JOBS, Fault, TenantRecord
+from kiwid.core.tenant import Fault, TenantRecord
 
 S = TenantState
 NO_GPU: GpuId = ""  # index key for tenants attached to no GPU
@@ -340,8 +340,6 @@ class TenantTable:
         tenant.remaining_s = None
         tenant.free_wait_since = None
         tenant.waiting_for = None
-        if fault.operation in OPERATORS_JOBS:  # the operator's job answered
-            tenant.mending = False
         if tenant.boosted:
             tenant.set_boost(False)
         tq = self.policy_of(tenant).tq_s

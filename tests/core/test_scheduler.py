@@ -277,6 +277,18 @@ def test_a_release_that_fails_ends_its_turn_and_another_may_be_asked() -> None:
     assert h.sched.handle(ReleaseAsked("b"), now()) == [Release("b")]  # its answer came
 
 
+def test_a_fault_told_again_or_late_ends_no_release_under_way() -> None:
+    # A fence's telling of an earlier release's fault, or that release returning late,
+    # is not the answer of the release under way.
+    h = b_loose_with_its_gate_asked_again()
+    now = h.clock.now
+    h.sched.handle(ReleaseAsked("b"), now())
+    told = TenantFaulted("b", "release", "an earlier release, late", contained=False, answers=False)
+    h.sched.handle(told, now())
+    no_gate_of_b_for_three_tqs(h)
+    assert h.sched.handle(ReleaseAsked("b"), now()) == []
+
+
 def test_a_release_that_fails_has_the_gate_tried_again() -> None:
     # Its gate waits for the release's answer, not for ever: a release that left the
     # tenant loose (free to run) has its gate tried again a TQ later.

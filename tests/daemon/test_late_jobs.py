@@ -184,9 +184,8 @@ class FencingGate(ScriptedGate, CudaLockGate):
         return [os.getpid()] if "t1" in self.world.gated else []
 
 
-def t1_loose_its_gate_in_flight_and_released(fencing: bool = False) -> tuple[Harness, Job]:
-    """t0 holds; t1 is stuck and may run; its gate, tried again, is in flight when the
-    operator asks for its release (queued behind the gate)."""
+def loose_harness(fencing: bool = False) -> Harness:
+    """TQ 5 s; ``fencing``: a gate with a freezer fence."""
     policy = GpuPolicy(
         tq_s=5, idle_release_s=300, mode=Mode.EXCLUSIVE, capacity_bytes=40 * GiB,
         reserve_bytes=GiB, swap=SwapMode.NONE,
@@ -194,10 +193,17 @@ def t1_loose_its_gate_in_flight_and_released(fencing: bool = False) -> tuple[Har
     h = Harness({"0": policy, "1": policy}, ["ok"], Lanes())
     if fencing:
         h.effects.tools.gate = FencingGate(h.world)  # type: ignore[assignment]
+    return h
+
+
+def t1_loose_its_gate_in_flight_and_released(fencing: bool = False) -> tuple[Harness, Job]:
+    """t0 holds; t1 is stuck and may run; its gate, tried again, is in flight when the
+    operator asks for its release (queued behind the gate)."""
+    h = loose_harness(fencing)
     t1_waits_gated(h)
     h.world.gated.discard("t1")  # a hung checkpoint left it running
     h.engine.apply([TenantFaulted("t1", "swap-out", "checkpoint hung", contained=False)])
-    h.clock.advance(policy.tq_s)
+    h.clock.advance(5)  # a TQ
     h.feed(Tick())
     gate = take(h, Kind.GATE, "t1")
     h.hung.remove(gate)  # in flight: the test ends it
@@ -255,5 +261,89 @@ def test_a_gate_past_its_deadline_fences_nothing_that_the_release_let_go() -> No
         h.release_hung()  # the gate's call returns: what it did is settled
         h.drain([0])
         released_and_running(h)
+    finally:
+        h.close()
+
+
+def release_past_its_deadline(h: Harness) -> Job:
+    """t1 stuck (contained); the operator's first release hangs past its deadline."""
+    t1_waits_gated(h)
+    h.engine.apply([TenantFaulted("t1", "ungate", "cgroup.freeze refused the thaw")])
+    h.feed(ReleaseAsked("t1"))
+    first = take(h, Kind.RELEASE, "t1")
+    h.clock.advance(DEADLINE_S + 1)
+    h.engine.expire()  # its fence is asked
+    return first
+
+
+def second_release_runs_its_course(h: Harness) -> None:
+    """The second release runs for a TQ (a slow restore), then ends: t1 is released."""
+    second = take(h, Kind.RELEASE, "t1")
+    h.hung.remove(second)
+    h.clock.advance(5)
+    h.feed(Tick())
+    assert not asked(h, Kind.GATE, "t1"), "a gate asked behind the release"
+    h.feed(ReleaseAsked("t1"))
+    assert not asked(h, Kind.RELEASE, "t1"), "a third release taken while one runs"
+    h.end(second)
+    h.drain([0])
+    released_and_running(h)
+
+
+@pytest.mark.parametrize("fencing", [False, True])
+def test_a_fence_told_while_a_second_release_waits_ends_not_that_release(fencing: bool) -> None:
+    # A review found it: the first release ran past its deadline; the operator asked
+    # again while its fence ran. The fence told the first release's fault again, and
+    # that ended the second one's "under way": a gate was asked behind it.
+    h = loose_harness(fencing)
+    try:
+        release_past_its_deadline(h)
+        fence = take(h, Kind.FENCE, "t1")
+        h.hung.remove(fence)
+        h.feed(ReleaseAsked("t1"))
+        assert asked(h, Kind.RELEASE, "t1")
+        h.end(fence)
+        second_release_runs_its_course(h)
+    finally:
+        h.close()
+
+
+def test_a_release_returning_late_ends_not_the_release_asked_since() -> None:
+    # The first release's hung call returned while the second ran: kiwid held t1
+    # gated (fenced), so it made t1 free to run, and that fault ended the second
+    # release's "under way": a gate was asked behind it, and locked t1 once released.
+    h = loose_harness(fencing=True)
+    try:
+        first = release_past_its_deadline(h)
+        h.drain([0])  # the fence
+        h.feed(ReleaseAsked("t1"))
+        h.end(first)  # returns late, while the second release waits its turn
+        second_release_runs_its_course(h)
+    finally:
+        h.close()
+
+
+def test_the_fence_of_a_gate_past_its_deadline_makes_its_tenant_contained() -> None:
+    # The fence told the late gate's fault again, as an answer to a gate; the late
+    # fault had answered that gate already, so the core took the fence's word for a
+    # stale answer: t1 stayed "may run" (its gate tried every TQ, nobody else let go
+    # on its GPU) though the freezer held it.
+    h = loose_harness(fencing=True)
+    try:
+        h.feed(TenantAttached("t0", GPU))
+        h.feed(ActivitySeen("t0"))
+        h.drain([0])
+        h.feed(TenantAttached("t1", GPU))
+        h.feed(ActivitySeen("t1"))
+        gate = take(h, Kind.GATE, "t1")
+        h.clock.advance(DEADLINE_S + 1)
+        h.engine.expire()
+        h.drain([0])  # the fence
+        assert "t1" in h.world.gated
+        view = next(t for t in h.engine.scheduler.view(h.clock.now()).tenants if t.tenant == "t1")
+        assert view.state is TenantState.STUCK and view.fault is not None
+        assert view.fault.contained, view.fault
+        h.end(gate)
+        h.drain([0])
     finally:
         h.close()

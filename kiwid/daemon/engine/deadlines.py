@@ -55,7 +55,7 @@ def late(job: Job, seconds: float) -> list[Event]:
         "the driver call has not returned"
     )
     if job.kind in (*MAY_RUN, Kind.FENCE):  # it may run (the call may yet return)
-        answers = job.kind is Kind.GATE  # a follow's or fence's answers no Gate asked
-        return [TenantFaulted(job.tenant, operation, reason, contained=False, answers_gate=answers)]
+        answers = job.kind not in (Kind.FOLLOW, Kind.FENCE)  # (these answer no Gate asked)
+        return [TenantFaulted(job.tenant, operation, reason, contained=False, answers=answers)]
     moving = job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN, Kind.RETRY, Kind.RELEASE)
     return [TenantFaulted(job.tenant, operation, reason, Residency.UNKNOWN if moving else None)]

@@ -94,7 +94,7 @@ class Effects:
         reason = f"internal error during its {job.kind.value}: {err!r}"
         record = self.tools.state.records.get(job.tenant)
         if job.kind in (Kind.GATE, Kind.FOLLOW, Kind.FENCE, Kind.SETTLE):
-            fault = TenantFaulted(job.tenant, operation, reason, answers_gate=job.kind is Kind.GATE)
+            fault = TenantFaulted(job.tenant, operation, reason, answers=job.kind is Kind.GATE)
             return [self.tools.fence(job.info, fault, job.given_up)]
         where: Residency | None = None
         if record is not None:

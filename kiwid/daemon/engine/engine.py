@@ -289,7 +289,9 @@ class Engine:
                 f"its {job.kind.value}, {seconds:.0f} s late, may have let it run: kiwid "
                 "holds it gated again"
             )
-            self.apply([TenantFaulted(job.tenant, OPERATIONS[job.kind], reason, contained=False)])
+            operation = OPERATIONS[job.kind]  # (it answers no job: a release asked since runs)
+            fault = TenantFaulted(job.tenant, operation, reason, contained=False, answers=False)
+            self.apply([fault])
 
     def hung(self, tenant: str) -> tuple[Job, float] | None:
         """A job of ``tenant`` past its deadline whose call has not returned, and its start."""

@@ -110,9 +110,7 @@ def follow(tools: Tools, job: Job) -> list[Event]:
         answer = err.answer if isinstance(err, GateError) else None
         reason = f"its new process could not be locked: {err}"
         log.error("%s: %s", who(job.info, job.tenant), reason)
-        fault = TenantFaulted(
-            job.tenant, "gate", reason, pid=pid, answer=answer, answers_gate=False
-        )
+        fault = TenantFaulted(job.tenant, "gate", reason, pid=pid, answer=answer, answers=False)
         return [tools.fence(job.info, fault, job.given_up)]
     log.info("Locked %s's new process %s", who(job.info, job.tenant), ", ".join(map(str, new)))
     return []
@@ -183,9 +181,10 @@ def fence(tools: Tools, job: Job) -> list[Event]:
     if not job.hold.is_set():
         log.info("Not fencing %s: kiwid let it go since", who(job.info, job.tenant))
         return []
-    fault = job.fault or TenantFaulted(
-        job.tenant, "gate", "its lock cannot be trusted", answers_gate=False
-    )
+    # Its telling answers nothing: the late job's own fault did (a gate asked, an
+    # operator's release); what the fence makes of it counts as it comes.
+    told = replace(job.fault, answers=False) if job.fault else None
+    fault = told or TenantFaulted(job.tenant, "gate", "its lock cannot be trusted", answers=False)
     return [tools.fence(job.info, fault, job.given_up)]
 
 

@@ -154,7 +154,7 @@ def _as(fault: TenantFaulted, *, contained: bool, why: str) -> TenantFaulted:
         contained,
         fault.pid,
         fault.answer,
-        fault.answers_gate,
+        fault.answers,
     )
 
 

@@ -141,7 +141,7 @@ def test_a_release_keeps_a_fence_written_while_it_ran(
     state = h.effects.state
     fenced = replace(state.records["t1"], fenced=True)
 
-    def fenced_meanwhile(record: object, undo: object, note: str = "", again: str = "") -> None:
+    def fenced_meanwhile(record: object, undo: object, *args: object) -> None:
         state.put(fenced)  # what kiwid's fence wrote while the release hung
         return  # restored, unlocked and thawed what it read
 
@@ -344,6 +344,22 @@ def test_the_fence_of_a_gate_past_its_deadline_makes_its_tenant_contained() -> N
         assert view.state is TenantState.STUCK and view.fault is not None
         assert view.fault.contained, view.fault
         h.end(gate)
+        h.drain([0])
+    finally:
+        h.close()
+
+
+def test_a_release_returning_after_its_deadline_lets_go_of_nothing_held_since() -> None:
+    # The release's restore hung past its deadline; kiwid gave up on it and held t1
+    # with its fence. When the call came back, the release went on: it unlocked and
+    # thawed t1 behind kiwid's back, beside t0, which holds the GPU.
+    h = loose_harness(fencing=True)
+    try:
+        first = release_past_its_deadline(h)
+        h.drain([0])  # the fence
+        assert "t1" in h.world.gated
+        h.end(first)  # its call returns late
+        assert "t1" in h.world.gated, "a release kiwid gave up on let t1 go"
         h.drain([0])
     finally:
         h.close()

@@ -100,7 +100,8 @@ def release(tools: Tools, job: Job) -> list[Event]:
         return [Released(job.tenant, complete=True, note="kiwid held nothing of it")]
     undo = recovery.undo_with(tools.state.dir, tools.gate, tools.swapper)
     again = f"kiwictl release {job.tenant}"
-    why = recovery.release(record, undo(record), " on an operator's word", again)
+    word = " on an operator's word"
+    why = recovery.release(record, undo(record), word, again, job.given_up.is_set)
     if why is None:
         tools.state.drop(job.tenant, only=record)  # a fence written since stays
         return [Released(job.tenant, complete=True, note="restored, unlocked and thawed")]

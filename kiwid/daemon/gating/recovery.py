@@ -21,7 +21,7 @@ from kiwid.adapters import procs
 from kiwid.adapters.cgroups import CgroupLayout
 from kiwid.adapters.cudalock import CudaLock, CudaLockError
 from kiwid.daemon.gating.cudagate import CudaLockGate
-from kiwid.daemon.gating.gates import FreezeGate, GateError, TenantGate
+from kiwid.daemon.gating.gates import FreezeGate, GateError, TenantGate, never
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.gating.swap import SwapError, Swapper, restore_record
@@ -73,7 +73,11 @@ def alive(record: GatedRecord) -> bool:
 
 
 def release(
-    record: GatedRecord, undo: Undo, note: str = "", again: str = "kiwid recover"
+    record: GatedRecord,
+    undo: Undo,
+    note: str = "",
+    again: str = "kiwid recover",
+    cancelled: Callable[[], bool] = never,
 ) -> str | None:
     """Restore (if alive), ungate and unfence one tenant; why not, if it could not.
 
@@ -83,6 +87,9 @@ def release(
     checkpoint), and a checkpoint that ended meanwhile is restored in turn.
     ``note`` ends the log line (e.g. who left it gated); ``again`` is the command
     that tries once more, named in the advice when memory stays in host RAM.
+    ``cancelled``: checked before the ungate; once kiwid gave up on the release (a
+    restore that returned after its deadline), kiwid holds the tenant since, and
+    the release lets go of nothing more.
     """
     if record.swapped and not alive(record):
         log.info("Dropped %s: its processes are gone (and its host memory)", record.tenant)
@@ -97,6 +104,8 @@ def release(
                 f"gated ({err}). Free GPU memory (stop another job) and run `{again}` "
                 f"again, or end the tenant (pids {' '.join(map(str, record.pids))})"
             )
+        if cancelled():
+            return f"kiwid gave up on the release (past its deadline); run `{again}` again"
         try:
             undo.ungate(record)
         except GateError as err:

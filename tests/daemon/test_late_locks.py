@@ -22,9 +22,12 @@ from kiwid.core.events import TenantFaulted
 from kiwid.daemon.engine import gate_jobs
 from kiwid.daemon.engine.executor import Job, Kind
 from kiwid.daemon.engine.tools import Tools
+from kiwid.daemon.gating import recovery
 from kiwid.daemon.gating.cudagate import CudaLockGate
 from kiwid.daemon.gating.gates import GateError
+from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.state import StateFile
+from kiwid.daemon.gating.swap import CheckpointSwapper
 from kiwid.daemon.tenants.tracker import Identity, TenantInfo
 from tests.adapters.conftest import cuda_library, double
 from tests.stand_ins.cudadouble import CudaTenant, DriverDouble
@@ -33,6 +36,7 @@ __all__ = ["cuda_library", "double"]  # the fixtures, shared with the adapter te
 
 GiB = 2**30
 RUNNING, LOCKED = ProcessState.RUNNING, ProcessState.LOCKED
+CHECKPOINTED = ProcessState.CHECKPOINTED
 KEY = "cgroup:/late"
 
 
@@ -165,3 +169,33 @@ def test_a_lock_that_fails_after_the_give_up_undoes_none_of_the_others(
     assert lock(tools).state(second) is RUNNING
     if give_up:
         lock(tools).unlock(first)
+
+
+def test_a_release_given_up_on_during_its_restore_unlocks_nothing(
+    double: DriverDouble, tools: Tools
+) -> None:
+    # The restore of an operator's release returned after kiwid gave up on it (and
+    # fenced the tenant): the release went on and unlocked it behind kiwid's back.
+    tenant = double.spawn_tenant(GiB)
+    (pid,) = tenant.pids()
+    record = tools.gate.prepare(info_of(tenant))
+    tools.gate.gate(record)
+    lock(tools).checkpoint(pid)
+    away = replace(record, swapped={"0": GiB}, swap_method="checkpoint")
+    swapper = CheckpointSwapper(lock(tools))
+    given_up = threading.Event()
+
+    def restore_past_the_deadline(record: GatedRecord) -> None:
+        swapper.swap_in(record)
+        given_up.set()  # the deadline passed while the restore ran
+
+    undo = recovery.Undo(tools.gate.ungate, restore_past_the_deadline)
+    try:
+        why = recovery.release(away, undo, cancelled=given_up.is_set)
+        assert why is not None and "gave up" in why, why
+        assert lock(tools).state(pid) is LOCKED  # restored, held: kiwid deals with it
+    finally:
+        if lock(tools).state(pid) is CHECKPOINTED:
+            lock(tools).restore(pid)
+        if lock(tools).state(pid) is LOCKED:
+            lock(tools).unlock(pid)

@@ -13,7 +13,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -235,6 +237,43 @@ def test_a_tenant_that_spawns_later_gets_a_context_of_its_own(double: DriverDoub
     assert tenant.proc.wait(timeout=5) == 143
     wait_for(lambda: not double.processes(), 5, "both to remove their contexts")
     assert not list((double.directory / "progress").iterdir())
+
+
+def _counts_listed_during(double: DriverDouble, action: Callable[[], object]) -> set[int]:
+    """How many processes the card listed, each time it was looked at during ``action``."""
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.add(len(double.processes()))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        action()
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+    return seen
+
+
+def test_a_tenants_processes_come_onto_the_card_together(double: DriverDouble) -> None:
+    # kiwid must first see a multi-process job whole, as one it finds running: one
+    # seen half-way is gated or swapped with a process missing (CI saw it once).
+    seen = _counts_listed_during(double, lambda: double.spawn_tenant(GiB, processes=4))
+    assert seen <= {0, 4}, f"the card listed {sorted(seen)} of the 4 processes"
+    assert len(double.processes()) == 4
+
+
+def test_a_tenant_whose_processes_do_not_all_fit_puts_none_on_the_card(
+    double: DriverDouble,
+) -> None:
+    def start() -> None:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            double.spawn_tenant(4 * GiB, processes=3)  # 12 GiB on a 10 GiB card
+
+    assert _counts_listed_during(double, start) == {0}
 
 
 def test_nvml_shows_the_card_of_the_double(double: DriverDouble, cuda: CudaLock, monkeypatch):

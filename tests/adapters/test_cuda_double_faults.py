@@ -17,7 +17,7 @@ import pytest
 
 from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
 from tests.helpers import wait_for
-from tests.stand_ins.cudadouble import DriverDouble
+from tests.stand_ins.cudadouble import DriverDouble, Fault
 
 GiB = 2**30
 
@@ -183,3 +183,31 @@ def test_concurrent_hangs_all_end_when_cleared(double: DriverDouble, cuda: CudaL
     ]
     assert calls[2].error is None
     assert cuda.state(a) is cuda.state(b) is ProcessState.LOCKED
+
+
+def test_faults_given_at_the_start_hold_before_the_process_is_listed(
+    double: DriverDouble, cuda: CudaLock
+) -> None:
+    # Written by each process as it creates its context, under the card's lock:
+    # whoever sees the process listed sees its faults too (no window to race).
+    tenant = double.spawn_tenant(
+        GiB // 2,
+        processes=2,
+        faults=(Fault("lock", "fail", 999, times=3, process=1), Fault("restore", "oom")),
+    )
+    (child,) = set(tenant.pids()) - {tenant.pid}
+    assert double.faults() == {f"{child}.lock": "fail 999 3", f"{tenant.pid}.restore": "oom 1"}
+    assert code_of(cuda.lock, child, 100) == (999, "CUDA_ERROR_UNKNOWN")
+    cuda.lock(tenant.pid, 100)  # its own faults are for another call
+    cuda.unlock(tenant.pid)
+
+
+@pytest.mark.parametrize(
+    "fault", [Fault("resume", "fail", 1), Fault("lock", "fail"), Fault("lock", "hang", times=0)]
+)
+def test_a_fault_the_double_has_no_meaning_for_is_refused(
+    double: DriverDouble, fault: Fault
+) -> None:
+    with pytest.raises(ValueError, match="fault"):
+        double.spawn_tenant(GiB, faults=(fault,))
+    assert double.faults() == {}

@@ -5,10 +5,11 @@ Run as a script (``python tests/stand_ins/cuda_tenant.py --memory BYTES``) with
 
 1. optionally moves into a cgroup first (``--cgroup``, v2), so that everything
    it starts is in it;
-2. "creates a context": writes its ``procs/PID`` entry, RUNNING, with its
-   memory; if the memory does not fit beside the resident processes and the
-   foreign memory, it fails as ``cudaMalloc`` would (exit code 3, "out of
-   memory" on stderr);
+2. has "a context": its ``procs/PID`` entry, RUNNING, with its memory. The
+   first process writes the entries of all ``--processes`` in one go (the
+   driver lists them together, as a job kiwid first sees running); if their
+   memory does not fit beside the resident processes and the foreign memory,
+   it fails as ``cudaMalloc`` would (exit code 3, "out of memory" on stderr);
 3. loops doing "GPU work": it reads its own state each iteration; while
    RUNNING (and the GPU not lost) it burns the CPU for ~5 ms and counts one
    iteration, so that the stand-in NVML's live sampling sees it run; while
@@ -19,15 +20,19 @@ Progress goes to ``progress/PID`` in the double's directory: two little-endian
 uint64 in a mapped file, the iterations done and the CLOCK_MONOTONIC time (ns)
 of the last, cheap to write each iteration and to read from anywhere
 (:func:`cudadir.read_progress`). A line ``ready PID`` on stdout says a process
-has its context. On exit (SIGTERM, SIGINT, the end of ``--seconds``) each
-process removes its entries; a SIGKILLed one leaves them, and the double treats
-an entry whose process is gone as no process.
+is at work (its context may come a moment later, with the first's). On exit
+(SIGTERM, SIGINT, the end of ``--seconds``) each process removes its entries; a
+SIGKILLed one leaves them, and the double treats an entry whose process is gone
+as no process.
 
 ``--processes N`` starts N processes (this one and N - 1 children, each with
 its own context and ``--memory``); ``--spawn-later S`` starts one more S seconds
-after the start, to see a gated tenant's newcomer locked too (the first process
-forks it from its loop, so it comes however the first one is gated). Children
-die with the first process.
+after the start, which writes its own entry, to see a gated tenant's newcomer
+locked too (the first process forks it from its loop, so it comes however the
+first one is gated). Children
+die with the first process. ``--fault N:OP:LINE`` gives process N (0 the first,
+then the children as they start) a fault from its start: written with its entry,
+under the card's lock, so that no one can call the driver on it before.
 """
 
 from __future__ import annotations
@@ -54,37 +59,47 @@ def _stop(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def create_context(directory: Path, memory: int) -> None:
-    """Write this process's entry, RUNNING, if its memory fits on the card (else exit 3)."""
-    pid = os.getpid()
+def create_contexts(directory: Path, memory: int, processes: dict[int, dict[str, str]]) -> None:
+    """Write the entries of ``processes`` (their faults by PID), RUNNING, in one go.
+
+    One write under the card's lock, as a job whose processes are all on the card
+    when kiwid first looks: whoever lists one lists them all, with their faults
+    (fault-file line by call) already in place. If the memory of all does not fit
+    beside what is resident, none is written: exit 3, as ``cudaMalloc`` fails.
+    """
     with cudadir.locked(directory):
         config = cudadir.read_config(directory)
         used = cudadir.resident_bytes(cudadir.read_procs(directory)) + config["foreign"]
-        if used + memory > config["capacity"]:
+        wanted = memory * len(processes)
+        if used + wanted > config["capacity"]:
             print(
-                f"cuda_tenant {pid}: out of memory: {memory} bytes do not fit beside "
-                f"{used} of {config['capacity']}",
+                f"cuda_tenant {os.getpid()}: out of memory: {wanted} bytes do not fit "
+                f"beside {used} of {config['capacity']}",
                 file=sys.stderr,
                 flush=True,
             )
             raise SystemExit(3)
-        start = cudadir.start_ticks(pid) or 0
-        cudadir.write_proc(directory, cudadir.Proc(pid, cudadir.RUNNING, memory, start=start))
+        for pid, faults in processes.items():
+            for op, line in faults.items():
+                cudadir.write_atomic(directory / "faults" / f"{pid}.{op}", line + "\n")
+            start = cudadir.start_ticks(pid) or 0
+            cudadir.write_proc(directory, cudadir.Proc(pid, cudadir.RUNNING, memory, start=start))
 
 
 def work(
     directory: Path,
     memory: int,
     seconds: float | None,
+    create: Callable[[], None],
     on_iteration: Callable[[], None] = lambda: None,
 ) -> None:
-    """Create the context, then work while RUNNING until told to stop."""
+    """``create`` the context (if this process makes it), then work while RUNNING."""
     pid = os.getpid()
     progress_path = directory / "progress" / str(pid)
     entry = directory / "procs" / str(pid)
     progress_path.parent.mkdir(exist_ok=True)
     try:
-        create_context(directory, memory)
+        create()
         with open(progress_path, "w+b") as f:
             f.write(bytes(cudadir.PROGRESS.size))
             f.flush()
@@ -109,14 +124,14 @@ def work(
         progress_path.unlink(missing_ok=True)
 
 
-def spawn(directory: Path, memory: int, seconds: float | None) -> int:
+def spawn(directory: Path, memory: int, seconds: float | None, create: Callable[[], None]) -> int:
     """Fork a process that works until the first one dies (or the end); return its PID."""
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
             ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            work(directory, memory, seconds)
+            work(directory, memory, seconds, create)
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 1
         finally:
@@ -132,9 +147,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spawn-later", type=float, help="start one more after SECONDS")
     parser.add_argument("--seconds", type=float, help="stop after SECONDS (default: never)")
     parser.add_argument("--cgroup", type=Path, help="a v2 cgroup to move into first")
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="N:OP:LINE",
+        help="process N (0 this one, then the children as they start) has LINE in its "
+        "fault file for OP from its start, e.g. '1:checkpoint:fail 2 100'",
+    )
     args = parser.parse_args(argv)
     if args.memory < 0 or args.processes < 1:
         parser.error("--memory must be >= 0 and --processes >= 1")
+    faults: dict[int, dict[str, str]] = {}
+    for spec in args.fault:
+        index, op, line = [*spec.split(":", 2), "", ""][:3]
+        if not index.isdigit() or op not in cudadir.OPS or not line:
+            parser.error(f"--fault {spec!r}: expected N:OP:LINE with OP one of {cudadir.OPS}")
+        faults.setdefault(int(index), {})[op] = line
     directory = Path(os.environ.get(cudadir.ENVIRONMENT, ""))
     if not (directory / "config").is_file():
         parser.error(f"{cudadir.ENVIRONMENT} must name the double's directory")
@@ -142,17 +171,36 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _stop)
     if args.cgroup is not None:
         (args.cgroup / "cgroup.procs").write_text(str(os.getpid()))
-    children = [spawn(directory, args.memory, args.seconds) for _ in range(args.processes - 1)]
+    children = [
+        spawn(directory, args.memory, args.seconds, lambda: None)  # created below
+        for _ in range(1, args.processes)
+    ]
+    at_start = {os.getpid(): faults.get(0, {})}
+    at_start |= {child: faults.get(n, {}) for n, child in enumerate(children, 1)}
     later = None if args.spawn_later is None else time.monotonic() + args.spawn_later
 
     def maybe_spawn() -> None:
         nonlocal later
         if later is not None and time.monotonic() >= later:
             later = None
-            children.append(spawn(directory, args.memory, args.seconds))
+            own = faults.get(len(children) + 1, {})
+            children.append(
+                spawn(
+                    directory,
+                    args.memory,
+                    args.seconds,
+                    lambda: create_contexts(directory, args.memory, {os.getpid(): own}),
+                )
+            )
 
     try:
-        work(directory, args.memory, args.seconds, maybe_spawn)
+        work(
+            directory,
+            args.memory,
+            args.seconds,
+            lambda: create_contexts(directory, args.memory, at_start),
+            maybe_spawn,
+        )
     finally:
         for child in children:
             with contextlib.suppress(ProcessLookupError):

@@ -57,6 +57,35 @@ def build_library(out_dir: Path) -> Path:
     return library
 
 
+@dataclass(frozen=True)
+class Fault:
+    """A fault of one driver call (see :meth:`DriverDouble.fault`).
+
+    ``process``: which of a tenant's processes it is for, when given at its start
+    (:meth:`DriverDouble.spawn_tenant`): 0 the first (``CudaTenant.pid``), then its
+    children in the order they start.
+    """
+
+    op: str
+    kind: str
+    arg: float | None = None
+    times: int = 1
+    process: int = 0
+
+    def text(self) -> str:
+        """The fault file's line, as the stand-in libcuda reads it."""
+        if self.op not in cudadir.OPS or self.kind not in KINDS or self.times < 1:
+            what = f"fault({self.op!r}, {self.kind!r}, times={self.times})"
+            raise ValueError(f"{what}: see cudadir.py")
+        if self.kind == "fail":
+            if self.arg is None:
+                raise ValueError("a fail fault needs the CUresult to return")
+            return f"fail {int(self.arg)} {self.times}"
+        if self.kind == "hang":
+            return f"hang {float(self.arg or 0):g} {self.times}"
+        return f"{self.kind} {self.times}"
+
+
 @dataclass
 class CudaTenant:
     """A running ``cuda_tenant.py``: its first process, its cgroup, its processes."""
@@ -165,17 +194,7 @@ class DriverDouble:
         ``arg``: the CUresult for ``fail`` (required), the seconds for ``hang``
         (``None`` or 0: until :meth:`clear`).
         """
-        if op not in cudadir.OPS or kind not in KINDS or times < 1:
-            raise ValueError(f"fault({op!r}, {kind!r}, times={times}): see cudadir.py")
-        if kind == "fail":
-            if arg is None:
-                raise ValueError("a fail fault needs the CUresult to return")
-            text = f"fail {int(arg)} {times}"
-        elif kind == "hang":
-            text = f"hang {float(arg or 0):g} {times}"
-        else:
-            text = f"{kind} {times}"
-        self._write_fault(pid, op, text)
+        self._write_fault(pid, op, Fault(op, kind, arg, times).text())
 
     def clear(self, pid: int, op: str) -> None:
         """End the fault of ``op`` on ``pid`` (a hang returns; a stuck process un-sticks)."""
@@ -219,9 +238,14 @@ class DriverDouble:
         processes: int = 1,
         spawn_later: float | None = None,
         cgroup: Path | None = None,
+        faults: tuple[Fault, ...] = (),
         timeout: float = 10.0,
     ) -> CudaTenant:
         """Start ``cuda_tenant.py``; return once its ``processes`` have a context.
+
+        ``faults`` are in place before the driver lists the process they are for
+        (each process writes its own as it creates its context): kiwid cannot call
+        the driver on it first, as it could between a start and :meth:`fault`.
 
         Raises:
             RuntimeError: it exited first (e.g. out of memory) or took too long; what
@@ -233,6 +257,8 @@ class DriverDouble:
             argv += ["--spawn-later", str(spawn_later)]
         if cgroup is not None:
             argv += ["--cgroup", str(cgroup)]
+        for fault in faults:
+            argv += ["--fault", f"{fault.process}:{fault.op}:{fault.text()}"]
         env = {**os.environ, cudadir.ENVIRONMENT: str(self.directory)}
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, text=True)
         tenant = CudaTenant(proc, self.directory, cgroup)

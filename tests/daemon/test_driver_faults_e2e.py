@@ -18,6 +18,7 @@ from pathlib import Path
 from tests.daemon.conftest import DOUBLE_FOREIGN, KIWID, Card, Kiwid
 from tests.daemon.test_driver_double_e2e import TENANT, config, holder
 from tests.stand_ins import cudadir
+from tests.stand_ins.cudadouble import Fault
 
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_UNKNOWN = 999
@@ -63,15 +64,24 @@ def test_a_swap_out_whose_rollback_fails_keeps_the_host_copy_and_recover_brings_
     k = start(start_kiwid, workdir, card)
     a = card.arrive("a")
     k.until(lambda: holder(k) == card.key(a), 10, "a to hold the GPU")
-    b = card.arrive("b", TENANT // 2, processes=2)
-    first, second = b.pids()
-    double.fault(second, "checkpoint", "fail", CUDA_ERROR_OUT_OF_MEMORY, times=100)
-    double.fault(first, "restore", "fail", CUDA_ERROR_UNKNOWN, times=100)
+    # The faults hold from b's start: set after it, kiwid could swap b out first
+    # (then b's swap-in is what fails: CI saw it once).
+    b = card.arrive(
+        "b",
+        TENANT // 2,
+        processes=2,
+        faults=(
+            Fault("checkpoint", "fail", CUDA_ERROR_OUT_OF_MEMORY, times=100, process=1),
+            Fault("restore", "fail", CUDA_ERROR_UNKNOWN, times=100, process=0),
+        ),
+    )
+    first = b.pid
+    (second,) = set(b.pids()) - {first}
     key = card.key(b)
     k.until(lambda: k.tenant(key).get("state") == "stuck", 15, "b to be stuck")
     entry = k.tenant(key)
     reason = entry["stuck_reason"]
-    assert reason["operation"] == "swap-out", entry
+    assert reason["operation"] == "swap-out", f"{reason}\n{k.log_text()[-3000:]}"
     assert str(second) in reason["reason"] and "CUDA_ERROR_OUT_OF_MEMORY" in reason["reason"]
     assert entry["residency"] == "unknown" and entry["gated"], entry
     assert double.state(first) == cudadir.CHECKPOINTED  # split: half in host RAM

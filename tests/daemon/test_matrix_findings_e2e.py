@@ -15,7 +15,7 @@ from tests.daemon.conftest import Card, Kiwid
 from tests.daemon.test_driver_double_e2e import TENANT, holder
 from tests.daemon.test_driver_faults_e2e import CUDA_ERROR_UNKNOWN, recover, start
 from tests.stand_ins import cudadir
-from tests.stand_ins.cudadouble import CudaTenant
+from tests.stand_ins.cudadouble import CudaTenant, Fault
 
 
 def records(workdir: Path) -> dict[str, dict]:
@@ -45,9 +45,8 @@ def test_a_lock_that_leaves_its_process_checkpointed_keeps_the_tenant_stuck_not_
     # could retry it; it stayed checkpointed and locked for good.
     double = card.double
     k, _a = a_holds(start_kiwid, workdir, card)
-    b = card.arrive("b")
+    b = card.arrive("b", faults=(Fault("lock", "stuck", times=1000),))  # from its start
     (b_pid,) = b.pids()
-    double.fault(b_pid, "lock", "stuck", times=1000)
     key = card.key(b)
     k.until(lambda: k.tenant(key).get("state") == "stuck", 20, "b to be stuck")
     assert double.state(b_pid) == cudadir.CHECKPOINTED
@@ -180,9 +179,8 @@ def test_a_gate_that_returns_after_the_operators_release_locks_nothing(
     double = card.double
     # TQ 5 s: b's gate, stuck, is tried again only after the operator's release.
     k, _a = a_holds(start_kiwid, workdir, card, tq=5, timeout=1)
-    b = card.arrive("b")
+    b = card.arrive("b", faults=(Fault("state", "hang"),))  # b's gate asks first; until cleared
     (b_pid,) = b.pids()
-    double.fault(b_pid, "state", "hang")  # b's gate asks first; until cleared
     key = card.key(b)
     k.until(lambda: records(workdir).get(key, {}).get("fenced"), 20, "b fenced")
     assert k.tenant(key)["state"] == "stuck"

@@ -1,9 +1,20 @@
-"""The executor's lanes: a checkpoint and a restore side by side, one tenant's moves in order."""
+"""The executor's lanes: a checkpoint and a restore side by side, one tenant's moves in order.
+
+And a follow (a gated tenant's new processes) that moves memory: a checkpoint too.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from kiwid.adapters.cudalock import CudaLock
 from kiwid.core.events import SwapIn, SwapOut
+from kiwid.daemon.engine.deadlines import deadlines
 from kiwid.daemon.engine.executor import Executor, Kind, Lanes
+from kiwid.daemon.gating.swap import CheckpointSwapper
+from tests.adapters.conftest import cuda_library
+
+__all__ = ["cuda_library"]  # the fixture, shared with the adapter tests
 
 GPU0 = frozenset({"0"})
 
@@ -52,3 +63,27 @@ def test_other_gpus_have_lanes_of_their_own() -> None:
     ex.job(SwapOut("a"), "a", GPU0)
     ex.job(SwapOut("b"), "b", frozenset({"1"}))
     assert len(ex.startable()) == 2
+
+
+def test_a_follow_that_moves_memory_takes_the_checkpoint_lane_and_one_that_locks_does_not() -> None:
+    ex = Executor()
+    ex.job(SwapOut("a"), "a", GPU0)
+    ex.job(Kind.FOLLOW, "b", GPU0, sizes={"0": 2**30})  # b is in host RAM: a checkpoint
+    ex.job(Kind.FOLLOW, "c", GPU0, pids={7: 0})  # c's memory is on the card: a lock
+    assert kinds(ex.startable()) == [("a", Kind.SWAP_OUT), ("c", Kind.FOLLOW)]
+    [a] = [j for j in ex.running if j.tenant == "a"]
+    ex.finish(a)
+    assert kinds(ex.startable()) == [("b", Kind.FOLLOW)]
+
+
+def test_a_follow_that_moves_memory_has_its_checkpoint_in_its_deadline(
+    cuda_library: Path,
+) -> None:
+    swapper = CheckpointSwapper(CudaLock(str(cuda_library)))
+    deadline_s = deadlines(lambda: 2.0, lambda: 1.0, swapper)
+    ex = Executor()
+    locks = ex.job(Kind.FOLLOW, "c", GPU0, pids={7: 0})
+    moves = ex.job(Kind.FOLLOW, "b", GPU0, sizes={"0": 8 * 2**30})
+    assert deadline_s(locks, 0) == 2 * 2.0 + 1.0
+    checkpoint = swapper.expected_s(8 * 2**30, "out")
+    assert deadline_s(moves, moves.nbytes) == 2 * 2.0 + 1.0 + 2 * checkpoint

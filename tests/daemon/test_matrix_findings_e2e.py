@@ -7,20 +7,14 @@ Each test is one finding of the matrix; on kiwid before its fix, it fails.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from tests.daemon.conftest import Card, Kiwid
 from tests.daemon.test_driver_double_e2e import TENANT, holder
-from tests.daemon.test_driver_faults_e2e import CUDA_ERROR_UNKNOWN, recover, start
+from tests.daemon.test_driver_faults_e2e import CUDA_ERROR_UNKNOWN, records, recover, start
 from tests.stand_ins import cudadir
 from tests.stand_ins.cudadouble import CudaTenant, Fault
-
-
-def records(workdir: Path) -> dict[str, dict]:
-    path = workdir / "state" / "state.json"
-    return json.loads(path.read_text())["gated"] if path.exists() else {}
 
 
 def frozen(cgroup: Path | None) -> bool:

@@ -2,7 +2,8 @@
 
 A gate or an ungate is tried again for ``driver_timeout`` (a freeze that did not
 take, a lock the driver refused), so its deadline is that window plus one more
-attempt. A checkpoint or a restore gets ``driver_timeout`` plus twice its size at
+attempt (a follow that moves its new processes' memory, their checkpoint on top).
+A checkpoint or a restore gets ``driver_timeout`` plus twice its size at
 the slowest rate the swapper expects: a 47 GiB checkpoint takes half a minute on
 an H200, and is no fault. A retry or a release may restore the whole tenant.
 """
@@ -30,6 +31,8 @@ def deadlines(
         driver = driver_s()
         if job.kind is Kind.SWAP_OUT and swapper is not None:
             return driver + 2 * swapper.expected_s(nbytes, "out")
+        if job.kind is Kind.FOLLOW and job.sizes and swapper is not None:  # lock, then move
+            return 2 * driver + gate_s() + 2 * swapper.expected_s(nbytes, "out")
         if job.kind in _RESTORING and swapper is not None:
             return 2 * driver + 2 * swapper.expected_s(nbytes, "in")
         return 2 * driver + gate_s()

@@ -33,6 +33,7 @@ from kiwid.core.events import (
     Tick,
 )
 from kiwid.core.model import TenantState
+from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler, Transition
 from kiwid.core.states import Trigger
 from kiwid.daemon.engine.deadlines import LOCKING, MAY_RUN, late
@@ -195,11 +196,18 @@ class Engine:
         self.executor.job(action, tenant, gpus, info=info, sizes=sizes)
 
     def follow(self, tenant: str, pids: dict[int, int]) -> None:
-        """Lock the processes (pid -> start time) a gated tenant started since its gate."""
+        """Lock the processes (pid -> start time) a gated tenant started since its gate.
+
+        Where the scheduler has the tenant's memory in host RAM, theirs goes there
+        too (the job's sizes: what the card holds of the tenant now, theirs).
+        """
         info = self.tracker.tenants.get(tenant)
         if info is None or self.executor.busy(tenant):
             return  # gone, or a job of it runs: the next poll looks again
-        self.executor.job(Kind.FOLLOW, tenant, info.gpus, info=info, pids=pids)
+        sizes = None
+        if self.scheduler.residency(tenant) is Residency.HOST:
+            sizes = {gpu: info.footprint.get(gpu) or 0 for gpu in info.gpus}
+        self.executor.job(Kind.FOLLOW, tenant, info.gpus, info=info, pids=pids, sizes=sizes)
         self._kick()
 
     def _kick(self) -> None:

@@ -9,7 +9,8 @@ with :meth:`Executor.finish`. The rules:
    memory never moves while it is being gated, and never two ways at once.
 2. An ungate waits for every gate asked for before it on a GPU it shares: the
    previous holder is stopped before the next one runs.
-3. Swaps go through lanes per GPU: at most ``lanes.out`` swap-outs and
+3. Swaps (and a follow that moves memory) go through lanes per GPU: at most
+   ``lanes.out`` swap-outs and
    ``lanes.in_`` swap-ins at once on one GPU, the two directions side by side (the
    host link is full duplex: a checkpoint and a restore do not slow each other),
    or, with ``lanes.shared``, one lane for both. Within a lane, swaps start in the
@@ -58,7 +59,8 @@ class Kind(enum.StrEnum):
     FENCE = "fence"
     """Freeze a tenant whose CUDA lock cannot be trusted (a call that never returned)."""
     FOLLOW = "follow"
-    """Lock the processes a gated tenant started since it was gated."""
+    """Lock the processes a gated tenant started since it was gated; with sizes (its
+    memory is in host RAM), move theirs there too, in the GPU's swap-out lane."""
     SETTLE = "settle"
     """A gate or follow returned after kiwid gave up on it: a lock it took late is
     recorded (kiwid holds the tenant gated) or undone (kiwid lets it run)."""
@@ -113,7 +115,8 @@ class Job:
     nbytes: int = 0
     """For a swap: the bytes it moves (per the scheduler's accounting)."""
     sizes: dict[str, int] = field(default_factory=dict)
-    """For a swap-out: bytes per GPU (what the state file records)."""
+    """For a swap-out: bytes per GPU (what the state file records); for a follow,
+    the new processes' (empty: they stay on the card)."""
     pids: dict[int, int] = field(default_factory=dict)
     """For a follow: the new processes to lock (pid -> start time)."""
     fault: TenantFaulted | None = None
@@ -239,9 +242,10 @@ class Executor:
         return dropped
 
     def _lane_keys(self, job: Job) -> list[tuple[str, str]]:
-        if job.kind not in (Kind.SWAP_OUT, Kind.SWAP_IN):
+        kind = Kind.SWAP_OUT if job.kind is Kind.FOLLOW and job.sizes else job.kind
+        if kind not in (Kind.SWAP_OUT, Kind.SWAP_IN):
             return []
-        direction = "swap" if self.lanes.shared else job.kind.value
+        direction = "swap" if self.lanes.shared else kind.value
         return [(gpu, direction) for gpu in sorted(job.gpus or {""})]
 
     def _capacity(self, key: tuple[str, str]) -> int:

@@ -14,6 +14,7 @@ import logging
 from dataclasses import replace
 
 from kiwid.core.events import Event, Gated, TenantFaulted, Ungated
+from kiwid.daemon.engine import swap_jobs
 from kiwid.daemon.engine.executor import Job
 from kiwid.daemon.engine.tools import Tools, not_given_up, who
 from kiwid.daemon.gating.cudagate import CudaLockGate
@@ -113,6 +114,8 @@ def follow(tools: Tools, job: Job) -> list[Event]:
         fault = TenantFaulted(job.tenant, "gate", reason, pid=pid, answer=answer, answers=False)
         return [tools.fence(job.info, fault, job.given_up)]
     log.info("Locked %s's new process %s", who(job.info, job.tenant), ", ".join(map(str, new)))
+    if job.sizes and not job.given_up.is_set():  # its memory is in host RAM: theirs too
+        return swap_jobs.follow_out(tools, job, grown, tuple(sorted(new)))
     return []
 
 

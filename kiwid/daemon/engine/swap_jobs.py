@@ -87,6 +87,58 @@ def _out(tools: Tools, swapper: Swapper, job: Job, record: GatedRecord) -> Event
     return SwapFinished(job.tenant, "out", ok=True, moved_bytes=moved, seconds=seconds)
 
 
+def follow_out(tools: Tools, job: Job, record: GatedRecord, new: tuple[int, ...]) -> list[Event]:
+    """Move the memory of a swapped-out tenant's new processes (locked) to host RAM too.
+
+    Left on the card, a new process holds room that the holder counts on, beside
+    a tenant the scheduler has in host RAM. The state file counts its bytes with
+    the rest ahead of the checkpoint. A checkpoint that fails with its memory where
+    it was leaves it there, locked: the tenant's restore later brings back the
+    rest (a plain failure, as a swap-out's). Memory anywhere else: stuck.
+    """
+    swapper = tools.swapper
+    name = who(job.info, job.tenant)
+    listed = ", ".join(map(str, new))
+    if swapper is None:
+        return []
+    if (never := tools.guards.unswappable(new)) is not None:
+        log.warning("%s's new process %s keeps its memory on the GPU: %s", name, listed, never)
+        return []
+    before = record.swapped or {}
+    sizes = {g: before.get(g, 0) + job.sizes.get(g, 0) for g in sorted({*before, *job.sizes})}
+    ahead = replace(record, swapped=sizes, swap_method=swapper.method)
+    try:
+        if not tools.state.put(ahead, only=record):
+            return []  # kiwid (an operator, a fence) dealt with it meanwhile
+    except OSError as err:  # unrecorded, a checkpoint could strand it: none
+        log.error("%s's new process %s stays on the GPU, locked: %s", name, listed, err)
+        return []
+    newcomers = record.only(new)
+    started = tools.clock()
+    try:
+        swapper.swap_out(newcomers)
+    except SwapError as err:
+        theirs = swapper.placement(newcomers)
+        if theirs.where is R.RESIDENT and not theirs.runs:
+            _put_back(tools, record, ahead)  # theirs is where it was
+            tools.guards.checkpoint_failed(job.tenant, str(err), err.unsupported)
+            log.error("%s's new process %s stays on the GPU, locked: %s", name, listed, err)
+            return []
+        fault = _faulted(tools, job, "swap-out", err, swapper.placement(ahead), answers=False)
+        return [fault]
+    seconds = tools.clock() - started
+    _log_moved("out", f"{name}'s new process {listed}", sum(job.sizes.values()), seconds)
+    return []
+
+
+def _put_back(tools: Tools, record: GatedRecord, ahead: GatedRecord) -> None:
+    """Write ``record`` back over ``ahead`` (a write-ahead that did not come true)."""
+    try:
+        tools.state.put(record, only=ahead)
+    except OSError as err:  # it overstates host RAM: a restore asks the driver anyway
+        log.warning("%s's record still counts memory it has on the GPU: %s", record.tenant, err)
+
+
 def _undo_late_out(tools: Tools, swapper: Swapper, job: Job, swapped: GatedRecord) -> Event:
     """Bring back the memory a checkpoint moved out after its deadline.
 
@@ -145,10 +197,14 @@ def _faulted(
     operation: str,
     err: SwapError,
     placement: Placement,
+    *,
+    answers: bool = True,
 ) -> Event:
     """The driver is out of step with what was asked: the tenant is stuck.
 
     Its record keeps ``swapped`` (recovery restores what is in host RAM).
+    ``answers``: whether the fault answers a swap the scheduler asked for (a
+    follow's does not).
     """
     detail = placement.detail
     reason = f"{operation.replace('-', ' ')}: {err}" + (f"; {detail}" if detail else "")
@@ -161,6 +217,7 @@ def _faulted(
         not placement.runs,
         pid=err.pid,
         answer=err.answer,
+        answers=answers,
     )
     if placement.runs:
         return tools.fence(job.info, fault, job.given_up)

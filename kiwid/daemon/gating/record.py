@@ -83,6 +83,12 @@ class GatedRecord:
             fault=self.fault,
         )
 
+    def only(self, pids: tuple[int, ...]) -> GatedRecord:
+        """The record narrowed to those of its ``pids`` (a swap of some processes)."""
+        starts = self.pid_starts()
+        kept = tuple(p for p in self.pids if p in pids)
+        return replace(self, pids=kept, starts=tuple(starts[p] or 0 for p in kept))
+
     def with_pids(self, pids: dict[int, int]) -> GatedRecord:
         """The record with ``pids`` (pid -> start time) added to its own."""
         merged = {**{p: s or 0 for p, s in self.pid_starts().items()}, **pids}

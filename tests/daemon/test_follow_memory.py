@@ -3,7 +3,9 @@
 The follow job of the CUDA-lock gate, run as kiwid runs it (``gate_jobs.follow``),
 with kiwid's own lock and checkpoint adapters over the driver double, on real
 ``cuda_tenant.py`` processes. The tenant's first two processes are in host RAM,
-as a swap-out left them; the third is the one it started since.
+as a swap-out left them; the third is the one it started since. Last, the
+engine's part: it asks for the move only where the scheduler has the tenant's
+memory in host RAM.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from kiwid.adapters.cudalock import CudaLock, ProcessState
-from kiwid.core.events import TenantFaulted
+from kiwid.core.events import ActivitySeen, TenantAttached, TenantFaulted
+from kiwid.core.model import GpuPolicy, Mode, SwapMode
 from kiwid.core.residency import Residency
 from kiwid.daemon.engine import gate_jobs, swap_jobs
-from kiwid.daemon.engine.executor import Job, Kind
+from kiwid.daemon.engine.executor import Job, Kind, Lanes
 from kiwid.daemon.engine.tools import Tools
 from kiwid.daemon.gating.cudagate import CudaLockGate
 from kiwid.daemon.gating.record import GatedRecord
@@ -27,6 +30,7 @@ from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.gating.swap import CheckpointSwapper
 from kiwid.daemon.tenants.tracker import Identity, TenantInfo
 from tests.adapters.conftest import cuda_library, double
+from tests.daemon.test_engine_properties import Harness
 from tests.daemon.test_gate_faults_e2e import read_only
 from tests.stand_ins import cudadir
 from tests.stand_ins.cudadouble import DriverDouble, Fault
@@ -37,6 +41,7 @@ GiB = 2**30
 SIZE = GiB // 2
 LOCKED, CHECKPOINTED = ProcessState.LOCKED, ProcessState.CHECKPOINTED
 KEY = "cgroup:/follow"
+GPU = frozenset({"0"})
 CUDA_ERROR_OUT_OF_MEMORY = 2
 Tenant = set[int]
 """A tenant's processes, as the tracker lists them."""
@@ -182,3 +187,27 @@ def test_a_state_file_that_cannot_be_written_moves_nothing(
         assert lock(tools).state(third) is LOCKED
     assert record(tools).swapped == {"0": 2 * SIZE}
     assert third in record(tools).pids
+
+
+@pytest.mark.parametrize("swap", [SwapMode.CHECKPOINT, SwapMode.NONE])
+def test_the_engine_moves_theirs_only_where_the_scheduler_has_the_tenant_in_host_ram(
+    swap: SwapMode,
+) -> None:
+    policy = GpuPolicy(
+        tq_s=300, idle_release_s=300, mode=Mode.EXCLUSIVE, capacity_bytes=40 * GiB,
+        reserve_bytes=GiB, swap=swap,
+    )  # fmt: skip
+    h = Harness({"0": policy}, ["ok"], Lanes())
+    try:
+        for tenant in ("t0", "t1"):  # t0 holds; t1 waits, gated (and swapped out)
+            h.feed(TenantAttached(tenant, GPU))
+            h.feed(ActivitySeen(tenant))
+            h.drain([0])
+        in_host = swap is SwapMode.CHECKPOINT
+        expected = Residency.HOST if in_host else Residency.RESIDENT
+        assert h.engine.scheduler.residency("t1") is expected
+        h.engine.follow("t1", {4242: 0})
+        (job,) = [j for j in h.runner.pending if j.kind is Kind.FOLLOW]
+        assert bool(job.sizes) is in_host
+    finally:
+        h.close()

@@ -83,7 +83,7 @@ def job(pids: Tenant, third: int, *, memory: bool = True) -> Job:
 
 
 def follow(tools: Tools, pids: Tenant, third: int, *, memory: bool = True) -> list:
-    return gate_jobs.follow(tools, job(pids, third, memory=memory))
+    return gate_jobs.follow(tools, job(pids, third, memory=memory), swap_jobs.follow_out)
 
 
 def record(tools: Tools) -> GatedRecord:
@@ -149,7 +149,7 @@ def test_a_follow_given_up_on_during_its_lock_moves_nothing(
 
     lock(tools).lock = lock_then_give_up  # type: ignore[method-assign]
     following = replace(job(tenant, third), given_up=given_up)
-    assert gate_jobs.follow(tools, following) == []
+    assert gate_jobs.follow(tools, following, swap_jobs.follow_out) == []
     lock(tools).lock = real_lock  # type: ignore[method-assign]
     assert lock(tools).state(third) is LOCKED  # kiwid deals with the tenant since
     assert record(tools).swapped == {"0": 2 * SIZE}

@@ -3,13 +3,15 @@
 Everything here blocks (a freeze waits for the kernel, a checkpoint of 47 GiB
 takes half a minute), so the daemon runs it on worker threads; tests run it
 inline. Each kind of job lives in its own module (:mod:`.gate_jobs`,
-:mod:`.swap_jobs`, :mod:`.mend_jobs`); this one dispatches, and makes sure that
+:mod:`.swap_jobs`, :mod:`.mend_jobs`); this one dispatches (a follow that moves
+memory: the gate's job, then the swap's), and makes sure that
 every job reports an outcome the scheduler hears, also when it raises: a gate
 that raised is a gate that did not take, never a success.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -27,7 +29,7 @@ log = logging.getLogger("kiwid.engine")
 _JOBS: dict[Kind, Callable[[Tools, Job], list[Event]]] = {
     Kind.GATE: gate_jobs.gate,
     Kind.UNGATE: gate_jobs.ungate,
-    Kind.FOLLOW: gate_jobs.follow,
+    Kind.FOLLOW: functools.partial(gate_jobs.follow, move=swap_jobs.follow_out),
     Kind.FENCE: gate_jobs.fence,
     Kind.FORGET: gate_jobs.forget,
     Kind.SWAP_OUT: swap_jobs.swap,

@@ -11,10 +11,10 @@ process of it is locked, before a fence.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 from kiwid.core.events import Event, Gated, TenantFaulted, Ungated
-from kiwid.daemon.engine import swap_jobs
 from kiwid.daemon.engine.executor import Job
 from kiwid.daemon.engine.tools import Tools, not_given_up, who
 from kiwid.daemon.gating.cudagate import CudaLockGate
@@ -94,8 +94,16 @@ def ungate(tools: Tools, job: Job) -> list[Event]:
     return [Ungated(tenant)]
 
 
-def follow(tools: Tools, job: Job) -> list[Event]:
-    """Lock the processes a gated tenant started since (recorded ahead of the lock)."""
+Move = Callable[[Tools, Job, GatedRecord, tuple[int, ...]], list[Event]]
+"""What moves the memory of processes just locked (the tenant's record, their pids)."""
+
+
+def follow(tools: Tools, job: Job, move: Move | None = None) -> list[Event]:
+    """Lock the processes a gated tenant started since (recorded ahead of the lock).
+
+    With the job's sizes (its memory is in host RAM), ``move`` takes theirs there
+    once they are locked (the dispatch wires the swap job's).
+    """
     gate_ = tools.gate
     record = tools.state.records.get(job.tenant)
     known = record.pids if record else ()
@@ -114,8 +122,8 @@ def follow(tools: Tools, job: Job) -> list[Event]:
         fault = TenantFaulted(job.tenant, "gate", reason, pid=pid, answer=answer, answers=False)
         return [tools.fence(job.info, fault, job.given_up)]
     log.info("Locked %s's new process %s", who(job.info, job.tenant), ", ".join(map(str, new)))
-    if job.sizes and not job.given_up.is_set():  # its memory is in host RAM: theirs too
-        return swap_jobs.follow_out(tools, job, grown, tuple(sorted(new)))
+    if move is not None and job.sizes and not job.given_up.is_set():
+        return move(tools, job, grown, tuple(sorted(new)))
     return []
 
 

@@ -69,6 +69,20 @@ class Kiwid:
     def call(self, cmd: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
         return request(self.socket, cmd, args)
 
+    def answers(self) -> bool:
+        """Whether it serves its control socket yet (it re-adopts before it does)."""
+        if self.proc.poll() is not None:
+            pytest.fail(f"kiwid exited with {self.proc.returncode}:\n{self.log_text()}")
+        try:
+            self.call("ping")
+        except (DaemonUnreachable, ControlError):
+            return False
+        return True
+
+    def wait_answering(self, timeout: float = 10) -> None:
+        """Wait until it serves its control socket."""
+        wait_for(self.answers, timeout, "kiwid to answer on its socket")
+
     def status(self) -> dict[str, Any]:
         return self.call("status")
 
@@ -157,7 +171,7 @@ def start_kiwid(workdir: Path) -> Iterator[Callable[..., Kiwid]]:
         k = Kiwid(workdir, config, workdir / "kiwid.sock", log, proc)
         started.append(k)
         if wait_ready:
-            wait_for(lambda: _answers(k), 10, "kiwid to answer on its socket")
+            k.wait_answering()
         return k
 
     yield start
@@ -173,16 +187,6 @@ def start_kiwid(workdir: Path) -> Iterator[Callable[..., Kiwid]]:
         capture_output=True,
         timeout=60,
     )
-
-
-def _answers(k: Kiwid) -> bool:
-    if k.proc.poll() is not None:
-        pytest.fail(f"kiwid exited with {k.proc.returncode}:\n{k.log_text()}")
-    try:
-        k.call("ping")
-    except (DaemonUnreachable, ControlError):
-        return False
-    return True
 
 
 @dataclass

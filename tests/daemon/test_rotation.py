@@ -11,17 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kiwid.adapters.control import ControlError, DaemonUnreachable
 from tests.daemon.conftest import KIWID, V2_ROOT, wait_for
-
-
-def answers(k) -> bool:
-    """Whether kiwid serves its control socket yet."""
-    try:
-        k.call("ping")
-    except (DaemonUnreachable, ControlError):
-        return False
-    return True
 
 
 def holder(k) -> str | None:
@@ -189,7 +179,7 @@ def test_a_restarted_kiwid_re_adopts_its_waiters_without_thawing_them(
     assert not thawed_at_some_point, "a re-adopted waiter must stay frozen"
     assert f"Re-adopted {b.key}" in k2.log_text()
     # It re-adopts before it serves its socket: ask once it answers.
-    wait_for(lambda: answers(k2) and holder(k2) == a.key, 5, "a to hold the GPU again")
+    wait_for(lambda: k2.answers() and holder(k2) == a.key, 5, "a to hold the GPU again")
     assert b.frozen()
     assert k2.tenant_states()[b.key] == "waiting"
 

@@ -176,6 +176,8 @@ def test_after_sigkill_a_restart_keeps_the_swapped_tenant_and_brings_it_back(
     k2 = start_kiwid(wait_ready=False)
     k2.wait_log(f"Re-adopted {b.key}: its memory is in host RAM", 10)
     assert b.frozen(), "a swapped tenant must not run before its memory is back"
+    k2.wait_answering()  # it re-adopts before it serves its socket (a slow host showed it)
+    assert b.frozen()
     assert k2.tenant_states()[b.key] == "waiting"
     # Its turn comes: restored, then let go.
     wait_for(lambda: holder(k2) == b.key, 10, "b's turn")

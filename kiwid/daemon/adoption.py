@@ -89,7 +89,7 @@ def _adopt(ctx: Context, record: GatedRecord) -> list[Event]:
     except Exception as err:  # noqa: BLE001 - a driver that fails here tells nothing
         placement = Placement(Residency.UNKNOWN, False, f"its state cannot be read: {err}")
     swapped = record.swapped
-    if swapped and placement.where is Residency.RESIDENT and not placement.runs:
+    if swapped and placement.on_card_gated:
         # Killed after the write-ahead, before (or undone after) the checkpoint.
         log.info("%s: recorded in host RAM, yet all of it is on the card", record.tenant)
         ctx.state.put(replace(record, swapped=None, swap_method=None))

@@ -67,13 +67,9 @@ def _out(tools: Tools, swapper: Swapper, job: Job, record: GatedRecord) -> Event
     swapped = replace(record, swapped=sizes, swap_method=swapper.method)
     tools.state.put(swapped)  # write-ahead: recovery restores it if we die
     started = tools.clock()
-    try:
-        swapper.swap_out(swapped)
-    except SwapError as err:
-        placement = swapper.placement(swapped)
-        if placement.where is R.RESIDENT and not placement.runs:
-            tools.state.put(record, only=swapped)  # all of it is where it was
-            guards.checkpoint_failed(job.tenant, str(err), err.unsupported)
+    if failed := _checkpoint(tools, swapper, swapped, ahead=swapped, before=record):
+        err, placement = failed
+        if placement.on_card_gated:
             log.error("Swap failed: out of %s: %s; it keeps its memory on the GPU", name, err)
             return SwapFinished(
                 job.tenant, "out", ok=False, reason=str(err), unswappable=err.unsupported
@@ -110,18 +106,13 @@ def follow_out(tools: Tools, job: Job, record: GatedRecord, new: tuple[int, ...]
     try:
         if not tools.state.put(ahead, only=record):
             return []  # kiwid (an operator, a fence) dealt with it meanwhile
-    except OSError as err:  # unrecorded, a checkpoint could strand it: none
-        log.error("%s's new process %s stays on the GPU, locked: %s", name, listed, err)
+    except OSError as unwritten:  # unrecorded, a checkpoint could strand it: none
+        log.error("%s's new process %s stays on the GPU, locked: %s", name, listed, unwritten)
         return []
-    newcomers = record.only(new)
     started = tools.clock()
-    try:
-        swapper.swap_out(newcomers)
-    except SwapError as err:
-        theirs = swapper.placement(newcomers)
-        if theirs.where is R.RESIDENT and not theirs.runs:
-            _put_back(tools, record, ahead)  # theirs is where it was
-            tools.guards.checkpoint_failed(job.tenant, str(err), err.unsupported)
+    if failed := _checkpoint(tools, swapper, record.only(new), ahead=ahead, before=record):
+        err, theirs = failed
+        if theirs.on_card_gated:
             log.error("%s's new process %s stays on the GPU, locked: %s", name, listed, err)
             return []
         fault = _faulted(tools, job, "swap-out", err, swapper.placement(ahead), answers=False)
@@ -131,12 +122,32 @@ def follow_out(tools: Tools, job: Job, record: GatedRecord, new: tuple[int, ...]
     return []
 
 
-def _put_back(tools: Tools, record: GatedRecord, ahead: GatedRecord) -> None:
-    """Write ``record`` back over ``ahead`` (a write-ahead that did not come true)."""
+def _checkpoint(
+    tools: Tools,
+    swapper: Swapper,
+    moving: GatedRecord,
+    *,
+    ahead: GatedRecord,
+    before: GatedRecord,
+) -> tuple[SwapError, Placement] | None:
+    """Checkpoint ``moving``'s processes; ``None`` when done, else why and where it is.
+
+    A failure that left all of ``moving`` on the card, gated, is a plain one: the
+    write-ahead ``ahead`` gives way to ``before`` again, and the guards hear of it.
+    """
+    tenant = moving.tenant
     try:
-        tools.state.put(record, only=ahead)
-    except OSError as err:  # it overstates host RAM: a restore asks the driver anyway
-        log.warning("%s's record still counts memory it has on the GPU: %s", record.tenant, err)
+        swapper.swap_out(moving)
+    except SwapError as err:
+        placement = swapper.placement(moving)
+        if placement.on_card_gated:
+            try:
+                tools.state.put(before, only=ahead)  # all of it is where it was
+            except OSError as again:  # it overstates host RAM: a restore asks the driver
+                log.warning("%s's record still counts memory on the GPU: %s", tenant, again)
+            tools.guards.checkpoint_failed(tenant, str(err), err.unsupported)
+        return err, placement
+    return None
 
 
 def _undo_late_out(tools: Tools, swapper: Swapper, job: Job, swapped: GatedRecord) -> Event:
@@ -181,7 +192,7 @@ def _in(tools: Tools, swapper: Swapper, job: Job, record: GatedRecord) -> Event:
         if placement.where is R.HOST and err.transient and not placement.runs:
             log.error("Swap failed: in of %s: %s; it stays in host RAM, gated", name, err)
             return SwapFinished(job.tenant, "in", ok=False, reason=str(err))
-        if placement.where is not R.RESIDENT or placement.runs:
+        if not placement.on_card_gated:
             return _faulted(tools, job, "swap-in", err, placement)
         log.warning("The restore of %s said %s, yet all of it is back: taken as done", name, err)
     tools.state.put(replace(record, swapped=None, swap_method=None), only=record)

@@ -83,6 +83,11 @@ class Placement(NamedTuple):
     detail: str = ""
     """Per process, for the operator (empty when all is as expected)."""
 
+    @property
+    def on_card_gated(self) -> bool:
+        """All of it is on the card and none of it runs: as before a checkpoint."""
+        return self.where is Residency.RESIDENT and not self.runs
+
 
 class Swapper(Protocol):
     """Move gated tenants' memory between the GPU and host RAM."""

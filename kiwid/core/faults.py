@@ -30,17 +30,17 @@ def gated(table: TenantTable, tid: TenantId, now: float) -> set[GpuId]:
         return set(tenant.gpus)  # it may no longer be in the way of anyone
     answered = tenant.gates_done == tenant.gates_asked
     # An operator's release or retry under way decides, not a gate asked before it.
-    mends = not tenant.mending
+    mends = not tenant.fault.mending
     if tenant.state is S.STUCK and tenant.loose and tenant.gated and answered and mends:
-        if tenant.residency is R.UNKNOWN and tenant.fault is not None:
+        if tenant.memory.residency is R.UNKNOWN and tenant.fault.cause is not None:
             # Gated now, but only a retry finds where its memory is: it stays stuck,
             # contained (never let go with its memory nowhere known).
-            tenant.fault = replace(tenant.fault, contained=True)
-            tenant.regate_at = math.inf
+            tenant.fault.cause = replace(tenant.fault.cause, contained=True)
+            tenant.fault.regate_at = math.inf
             return set(tenant.gpus)
         table.set_state(tenant, Trigger.GATE_MENDED, now)
-        tenant.fault = None
-        tenant.regate_at = math.inf
+        tenant.fault.cause = None
+        tenant.fault.regate_at = math.inf
         tenant.seq = table.next_seq()
     return set(tenant.gpus)
 
@@ -57,9 +57,9 @@ def ungated(table: TenantTable, tid: TenantId, now: float) -> set[GpuId]:
     tenant.ungates_done += 1
     last = tenant.ungates_done == tenant.ungates_asked  # not one asked again since
     if last and tenant.running:
-        tenant.window_at = now
+        tenant.turn.window_at = now
         if tenant.state is S.HOLDER:
-            tenant.granted_at = now
+            tenant.turn.granted_at = now
     return set(tenant.gpus)
 
 
@@ -73,25 +73,25 @@ def faulted(table: TenantTable, event: TenantFaulted, now: float) -> set[GpuId]:
     fault = Fault(event.operation, event.reason, now, event.contained, event.pid, event.answer)
     table.fault(tenant, fault, event.memory, now)
     if event.operation in OPERATORS_JOBS and event.answers:
-        tenant.mending = False  # the operator's job answered (any other fault: it still runs)
+        tenant.fault.mending = False  # the operator's job answered (any other fault: it still runs)
     return set(tenant.gpus)
 
 
 def retry_asked(table: TenantTable, tid: TenantId, now: float, actions: list[Action]) -> set[GpuId]:
     """An operator asks to try a stuck (or released) tenant again."""
     tenant = table.tenants.get(tid)
-    if tenant is None or tenant.mending:
+    if tenant is None or tenant.fault.mending:
         return set()
     if tenant.state is S.RELEASED:
         table.set_state(tenant, Trigger.RETRIED, now)
-        tenant.released_note = None
+        tenant.fault.released = None
         return set(tenant.gpus)
     if tenant.state is not S.STUCK:
         return set()
     if tenant.loose:  # its gate did not take: try it now rather than at regate_at
-        tenant.regate_at = now
+        tenant.fault.regate_at = now
         return set(tenant.gpus)
-    tenant.mending = True
+    tenant.fault.mending = True
     actions.append(Retry(tid))
     return set()
 
@@ -101,13 +101,13 @@ def mended(table: TenantTable, tid: TenantId, found: Residency, now: float) -> s
     tenant = table.tenants.get(tid)
     if tenant is None or tenant.state is not S.STUCK:
         return set()
-    tenant.residency = settle(tenant.residency, found)
+    tenant.memory.residency = settle(tenant.memory.residency, found)
     table.set_state(tenant, Trigger.RETRIED, now)
-    tenant.fault = None
-    tenant.mending = False
+    tenant.fault.cause = None
+    tenant.fault.mending = False
     tenant.gated = True
-    tenant.regate_at = math.inf
-    tenant.retry_at = -math.inf
+    tenant.fault.regate_at = math.inf
+    tenant.turn.retry_at = -math.inf
     tenant.seq = table.next_seq()
     return set(tenant.gpus)
 
@@ -117,17 +117,17 @@ def released(table: TenantTable, event: Released, now: float) -> set[GpuId]:
     tenant = table.tenants.get(event.tenant)
     if tenant is None or tenant.state is not S.STUCK:
         return set()
-    tenant.mending = False
+    tenant.fault.mending = False
     if not event.complete:
         fault = Fault("release", event.note, now, event.contained)
         table.fault(tenant, fault, None, now)
         return set(tenant.gpus)
-    tenant.residency = settle(tenant.residency, R.RESIDENT)
+    tenant.memory.residency = settle(tenant.memory.residency, R.RESIDENT)
     table.set_state(tenant, Trigger.RELEASED, now)
     tenant.void_answers()
-    tenant.fault = None
+    tenant.fault.cause = None
     tenant.gated = False
-    tenant.regate_at = math.inf
-    tenant.released_note = event.note or None
-    tenant.last_active = now
+    tenant.fault.regate_at = math.inf
+    tenant.fault.released = event.note or None
+    tenant.turn.last_active = now
     return set(tenant.gpus)

@@ -33,7 +33,7 @@ def room(policy: GpuPolicy) -> int:
 
 def occupied(members: Iterable[TenantRecord], gpu: GpuId, exclude: TenantRecord | None) -> int:
     """The bytes on ``gpu`` (or moving onto or off it), ``exclude`` left out."""
-    return sum(t.size(gpu) for t in members if t is not exclude and t.residency.takes_room)
+    return sum(t.size(gpu) for t in members if t is not exclude and t.memory.residency.takes_room)
 
 
 def wants_whole_card(tenant: TenantRecord, policy: GpuPolicy) -> bool:
@@ -67,7 +67,7 @@ def restoring(members: Iterable[TenantRecord], gpu: GpuId, exclude: TenantRecord
     return sum(
         t.size(gpu)
         for t in members
-        if t is not exclude and t.residency in (Residency.SWAPPING_IN, Residency.PREFETCHING)
+        if t is not exclude and t.memory.residency in (Residency.SWAPPING_IN, Residency.PREFETCHING)
     )
 
 
@@ -118,13 +118,13 @@ def victims(
             o
             for o in members
             if o is not tenant
-            and o.residency.on_card
+            and o.memory.residency.on_card
             and o.state in (S.WAITING, S.IDLE)
             and o.movable
             and o.size(gpu)
             and all(swap_gpus.get(g, SwapMode.NONE) is not SwapMode.NONE for g in o.gpus)
         ),
-        key=lambda o: (o.residency is R.PREFETCHED, o.last_run, o.seq),
+        key=lambda o: (o.memory.residency is R.PREFETCHED, o.turn.last_run, o.seq),
     )
     chosen: list[TenantRecord] = []
     freed = 0

@@ -36,18 +36,18 @@ DEFAULT_RESTORE_BYTES_PER_S = 5e9
 
 def release_ungated(table: TenantTable, t: TenantRecord, now: float, actions: list[Action]) -> None:
     """A gated tenant whose GPUs stopped gating: let go once its memory is on the card."""
-    if t.residency.on_card:
+    if t.memory.residency.on_card:
         table.set_state(t, Trigger.GATING_STOPPED, now)
-        t.granted_at = None
+        t.turn.granted_at = None
         table.let_go(t, now, actions)
-    elif t.residency is R.HOST and t.retry_at <= now:
+    elif t.memory.residency is R.HOST and t.turn.retry_at <= now:
         short = shortfall(table, t, t.gpus, whole_card=False)
         if short:
-            t.waiting_for = _no_room(table, t, short)
+            t.turn.waiting_for = _no_room(table, t, short)
             return
         low = free_short(table, t, t.gpus)
         if low is not None:
-            t.waiting_for = low
+            t.turn.waiting_for = low
             return
         _restore(t, actions)
 
@@ -60,7 +60,7 @@ def start_holder(
     actions: list[Action],
 ) -> None:
     """A granted holder, still gated: room first, then its memory, then let it go."""
-    if t.residency.moving:
+    if t.memory.residency.moving:
         return  # its own swap ends first (a SwapFinished brings us back)
     gpus = t.gpus & gating
     missing = shortfall(table, t, gpus, whole_card=True)
@@ -68,16 +68,20 @@ def start_holder(
         planned = False
         for gpu, nbytes in sorted(missing.items()):
             # What swap-outs in flight will free counts already: never evict twice.
-            going = sum(o.size(gpu) for o in table.members(gpu) if o.residency is R.SWAPPING_OUT)
+            going = sum(
+                o.size(gpu) for o in table.members(gpu) if o.memory.residency is R.SWAPPING_OUT
+            )
             if nbytes > going:
                 planned |= _make_room(table, t, gpu, nbytes - going, now=now, actions=actions)
-        leaving = [o.id for g in gpus for o in table.members(g) if o.residency is R.SWAPPING_OUT]
+        leaving = [
+            o.id for g in gpus for o in table.members(g) if o.memory.residency is R.SWAPPING_OUT
+        ]
         if planned or leaving:
-            t.waiting_for = f"room being made on GPU {','.join(sorted(gpus))}: " + (
+            t.turn.waiting_for = f"room being made on GPU {','.join(sorted(gpus))}: " + (
                 f"{', '.join(sorted(set(leaving)))} swapping out" if leaving else "swap-outs asked"
             )
             return
-    if t.residency is R.HOST:
+    if t.memory.residency is R.HOST:
         short = shortfall(table, t, gpus, whole_card=False)
         if short:
             _step_aside(table, t, f"{_no_room(table, t, short)}; the rest cannot leave", now)
@@ -87,44 +91,46 @@ def start_holder(
             _restore(t, actions)
             return
         tq = table.policy_of(t).tq_s
-        since = t.free_wait_since = t.free_wait_since if t.free_wait_since is not None else now
+        since = t.turn.free_wait_since = (
+            t.turn.free_wait_since if t.turn.free_wait_since is not None else now
+        )
         if now - since >= tq:
             _step_aside(table, t, f"{low} for {tq:g} s", now)
         else:
-            t.waiting_for = low
+            t.turn.waiting_for = low
         return
-    t.free_wait_since = None
+    t.turn.free_wait_since = None
     other = table.in_the_way(t, gpus)
     if other is not None:  # never two at once: it goes once the other one is gated
-        t.waiting_for = _in_the_way(other, gpus)
+        t.turn.waiting_for = _in_the_way(other, gpus)
         return
     table.let_go(t, now, actions)
 
 
 def _in_the_way(other: TenantRecord, gpus: frozenset[GpuId]) -> str:
     where = f"GPU {','.join(sorted(other.gpus & gpus))}"
-    if other.loose and other.fault is not None:
+    if other.loose and other.fault.cause is not None:
         return (
             f"{other.id} may still run on {where}: kiwid could not gate it "
-            f"({other.fault.reason}); it is tried again every TQ, or see "
+            f"({other.fault.cause.reason}); it is tried again every TQ, or see "
             f"`kiwictl release {other.id}`"
         )
     return f"{other.id} is being gated on {where}"
 
 
 def _restore(t: TenantRecord, actions: list[Action]) -> None:
-    t.residency = move(t.residency, Move.SWAP_IN)
-    t.waiting_for = None
-    t.free_wait_since = None
+    t.memory.residency = move(t.memory.residency, Move.SWAP_IN)
+    t.turn.waiting_for = None
+    t.turn.free_wait_since = None
     actions.append(SwapIn(t.id))
 
 
 def _step_aside(table: TenantTable, t: TenantRecord, why: str, now: float) -> None:
     """A granted holder whose memory cannot come back: the next one runs instead."""
     tq = table.policy_of(t).tq_s
-    t.retry_at = now + tq
-    t.free_wait_since = None
-    t.waiting_for = f"{why}. It tries again at its turn after {tq:g} s"
+    t.turn.retry_at = now + tq
+    t.turn.free_wait_since = None
+    t.turn.waiting_for = f"{why}. It tries again at its turn after {tq:g} s"
     table.requeue(t, Trigger.SWAP_IN_FAILED, now)
 
 
@@ -219,11 +225,14 @@ def _make_room(
 def _floor_refusal(table: TenantTable, t: TenantRecord) -> str | None:
     """Refuse (and say why) a swap-out that would leave host RAM below the floor."""
     leaving = sum(
-        o.held(g) for o in table.tenants.values() if o.residency is R.SWAPPING_OUT for g in o.gpus
+        o.held(g)
+        for o in table.tenants.values()
+        if o.memory.residency is R.SWAPPING_OUT
+        for g in o.gpus
     )
     why = table.host.refusal(sum(t.held(g) for g in t.gpus), leaving)
-    if why is not None and why != t.swap_refusal:
-        t.swap_refusal = why
+    if why is not None and why != t.memory.swap_refusal:
+        t.memory.swap_refusal = why
         table.notices.append((t.id, f"its memory stays on the GPU, gated: {why}"))
     return why
 
@@ -232,7 +241,7 @@ def swap_out(table: TenantTable, t: TenantRecord, actions: list[Action]) -> None
     """Send a gated tenant's memory to host RAM, unless the host RAM floor forbids it."""
     if _floor_refusal(table, t) is not None:
         return
-    t.residency = move(t.residency, Move.SWAP_OUT)
+    t.memory.residency = move(t.memory.residency, Move.SWAP_OUT)
     actions.append(SwapOut(t.id, tuple((g, t.held(g)) for g in sorted(t.gpus))))
 
 
@@ -261,7 +270,7 @@ def prefetch(
     evicts anyone) and the driver's free memory takes it.
     """
     nxt = next_in_line(holder, gating, queue)
-    if nxt is None or nxt.residency is not R.HOST or not _may_return(table, nxt):
+    if nxt is None or nxt.memory.residency is not R.HOST or not _may_return(table, nxt):
         return None
     seconds = PREFETCH_MARGIN_S
     for gpu in nxt.gpus & gating:
@@ -300,17 +309,19 @@ def deferred_until(
 
 
 def _arriving(table: TenantTable, nxt: TenantRecord, gating: frozenset[GpuId]) -> bool:
-    if nxt.residency is R.PREFETCHING:
+    if nxt.memory.residency is R.PREFETCHING:
         return True
-    if nxt.residency not in (R.HOST, R.SWAPPING_OUT) or not _may_return(table, nxt):
+    if nxt.memory.residency not in (R.HOST, R.SWAPPING_OUT) or not _may_return(table, nxt):
         return False
-    leaving = nxt.residency is R.SWAPPING_OUT
+    leaving = nxt.memory.residency is R.SWAPPING_OUT
     for gpu in nxt.gpus & gating:
         policy = table.policies[gpu]
         if policy.swap is SwapMode.NONE:
             return False
         members = table.members(gpu)
-        going = sum(o.size(gpu) for o in members if o is not nxt and o.residency is R.SWAPPING_OUT)
+        going = sum(
+            o.size(gpu) for o in members if o is not nxt and o.memory.residency is R.SWAPPING_OUT
+        )
         if memory.occupied(members, gpu, nxt) - going + nxt.size(gpu) > memory.room(policy):
             return False
         leaving |= going > 0
@@ -321,7 +332,7 @@ def _arriving(table: TenantTable, nxt: TenantRecord, gating: frozenset[GpuId]) -
 
 def _may_return(table: TenantTable, t: TenantRecord) -> bool:
     """Whether ``t`` may come back ahead of its turn: its size is known or declared."""
-    return t.sized and t.retry_at <= table.now and t.adopting_until <= table.now
+    return t.sized and t.turn.retry_at <= table.now and t.turn.adopting_until <= table.now
 
 
 # ---------------------------------------------------------------- steps 6 and 7 of a pass
@@ -340,8 +351,8 @@ def prefetch_next(
         plan = prefetch_plan(table, t, gating, queue, wanted)
         if plan is not None and table.now >= plan[1]:
             nxt = plan[0]
-            nxt.residency = move(nxt.residency, Move.PREFETCH)
-            nxt.waiting_for = None
+            nxt.memory.residency = move(nxt.memory.residency, Move.PREFETCH)
+            nxt.turn.waiting_for = None
             actions.append(SwapIn(nxt.id))
 
 
@@ -359,7 +370,7 @@ def checkpoint_waiters(
         if (
             t.state is S.WAITING
             and t.gated
-            and t.residency is R.RESIDENT
+            and t.memory.residency is R.RESIDENT
             and t.movable
             and any(table.policies[g].swap is SwapMode.CHECKPOINT for g in t.gpus & gating)
         ):

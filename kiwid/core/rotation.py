@@ -43,7 +43,7 @@ def start_burst(
         table.gate(tenant, actions)
     else:
         table.set_state(tenant, Trigger.BURST_FREE, now)
-        tenant.granted_at = now
+        tenant.turn.granted_at = now
 
 
 def reconcile(
@@ -130,7 +130,7 @@ def release_quiet(table: TenantTable, among: list[TenantRecord], now: float) -> 
     for t in among:
         if t.state in _RUNNING and not t.gated and now >= table.idle_at(t):
             table.set_state(t, Trigger.IDLE_TIMEOUT, now)
-            t.granted_at = None
+            t.turn.granted_at = None
 
 
 def regate_loose(p: Pass) -> None:
@@ -143,8 +143,8 @@ def regate_loose(p: Pass) -> None:
     decides (a release that fails leaves it stuck, and its gate due again).
     """
     for t in p.among:
-        if t.loose and not t.gated and not t.mending and p.now >= t.regate_at:
-            t.regate_at = p.now + p.table.policy_of(t).tq_s
+        if t.loose and not t.gated and not t.fault.mending and p.now >= t.fault.regate_at:
+            t.fault.regate_at = p.now + p.table.policy_of(t).tq_s
             p.table.gate(t, p.actions)
 
 
@@ -157,7 +157,7 @@ def free_ungated(p: Pass) -> None:
             room.release_ungated(p.table, t, p.now, p.actions)
         else:
             p.table.set_state(t, Trigger.GATING_STOPPED, p.now)
-            t.granted_at = None
+            t.turn.granted_at = None
 
 
 def one_holder_per_gpu(p: Pass) -> None:
@@ -170,7 +170,7 @@ def one_holder_per_gpu(p: Pass) -> None:
     if len(holders) <= 1:
         return
     held: set[GpuId] = set()
-    for t in sorted(holders, key=lambda t: t.claim):
+    for t in sorted(holders, key=lambda t: t.turn.claim):
         mine = t.gpus & p.gating
         if mine & held:
             p.table.requeue(t, Trigger.PREEMPTED, p.now)
@@ -184,10 +184,10 @@ def boost_long_waiters(p: Pass) -> None:
     if not p.waits:
         return
     for t in p.among:
-        if t.state is S.WAITING and not t.boosted:
+        if t.state is S.WAITING and not t.cls.boosted:
             limit = max_wait(p.waits, t)
             if limit is not None and p.now - t.state_since >= limit:
-                t.set_boost(True)
+                t.cls.set_boost(True)
 
 
 def preempt_due(p: Pass, wanted: dict[GpuId, tuple[float, int]]) -> None:
@@ -220,7 +220,7 @@ def grant_in_turn(p: Pass) -> None:
             blocked |= t.gpus & gating
     for t in table.queue(gating, p.among):
         need = t.gpus & gating
-        if t.retry_at > now or t.adopting_until > now:
+        if t.turn.retry_at > now or t.turn.adopting_until > now:
             continue  # its memory could not come back lately, or it is re-adopted
         if need & blocked:
             if t.state is S.CORUNNING:
@@ -261,23 +261,23 @@ def _preempt(
         mine = t.gpus & gating
         by = max(
             (o for o in among if o.state is S.WAITING and o.gpus & mine),
-            key=lambda o: (o.rank, -o.seq),
+            key=lambda o: (o.cls.rank, -o.seq),
             default=None,
         )
-    if reason == "priority" and t.granted_at is not None:
-        rest = table.quantum(t, t.gpus & gating) - (now - t.granted_at)
+    if reason == "priority" and t.turn.granted_at is not None:
+        rest = table.quantum(t, t.gpus & gating) - (now - t.turn.granted_at)
         table.set_state(t, Trigger.PREEMPTED_PRIORITY, now)
-        t.granted_at = None
+        t.turn.granted_at = None
         t.seq = table.front_seq()
-        t.remaining_s = rest if rest > 0 else None
+        t.turn.remaining_s = rest if rest > 0 else None
     else:
         table.requeue(t, Trigger.PREEMPTED, now)
-    t.last_preemption = (now, reason, by.id if by else None)
+    t.turn.last_preemption = (now, reason, by.id if by else None)
 
 
 def _grant(table: TenantTable, t: TenantRecord, now: float) -> None:
     """Its turn: it holds its GPUs (a gated one is let go once its memory is there)."""
     table.set_state(t, Trigger.GRANTED, now)
-    t.granted_at = None if t.gated else now  # a co-runner already runs
-    if t.residency is R.PREFETCHING:
-        t.residency = move(t.residency, Move.GRANTED)
+    t.turn.granted_at = None if t.gated else now  # a co-runner already runs
+    if t.memory.residency is R.PREFETCHING:
+        t.memory.residency = move(t.memory.residency, Move.GRANTED)

@@ -112,11 +112,11 @@ class Scheduler:
         if kind is ActivitySeen:
             known = table.tenants.get(event.tenant)  # type: ignore[union-attr]
             if known is not None and known.state is not S.IDLE:
-                known.last_active = now
+                known.turn.last_active = now
                 return []
         elif kind is FootprintSeen:
             known = table.tenants.get(event.tenant)  # type: ignore[union-attr]
-            if known is None or known.footprint.get(event.gpu, -1) == event.used_bytes:  # type: ignore[union-attr]
+            if known is None or known.memory.footprint.get(event.gpu, -1) == event.used_bytes:  # type: ignore[union-attr]
                 return []
         actions: list[Action] = []
         # Most events touch the GPUs of one tenant only: reconcile just those
@@ -138,18 +138,18 @@ class Scheduler:
             case ActivitySeen(tenant=tid):
                 tenant = table.tenants.get(tid)
                 if tenant is not None:
-                    tenant.last_active = now
+                    tenant.turn.last_active = now
                     if tenant.state is S.IDLE:
                         rotation.start_burst(table, tenant, now, actions)
                         scope = set(tenant.gpus)
             case FootprintSeen(tenant=tid, gpu=gpu, used_bytes=used):
                 tenant = table.tenants.get(tid)
                 if tenant is not None:
-                    tenant.footprint[gpu] = used
-                    if used is not None and used > tenant.peak.get(gpu, 0):
-                        tenant.peak[gpu] = used
+                    tenant.memory.footprint[gpu] = used
+                    if used is not None and used > tenant.memory.peak.get(gpu, 0):
+                        tenant.memory.peak[gpu] = used
                     policy = table.policies.get(gpu)
-                    if policy is not None and (policy.mode is Mode.AUTO or tenant.waiting_for):
+                    if policy is not None and (policy.mode is Mode.AUTO or tenant.turn.waiting_for):
                         scope = {gpu}
             case SwapFinished():
                 scope = self._swap_finished(event, now)
@@ -165,8 +165,8 @@ class Scheduler:
                 scope = faults.mended(self._t, tid, found, now)
             case ReleaseAsked(tenant=tid):
                 tenant = table.tenants.get(tid)
-                if tenant is not None and tenant.state is S.STUCK and not tenant.mending:
-                    tenant.mending = True
+                if tenant is not None and tenant.state is S.STUCK and not tenant.fault.mending:
+                    tenant.fault.mending = True
                     actions.append(Release(tid))
             case Released():
                 scope = faults.released(self._t, event, now)
@@ -174,8 +174,8 @@ class Scheduler:
                 scope = self._adopt(tid, swapped, now)
             case TenantPolicySet(tenant=tid, policy=tenant_policy):
                 tenant = table.tenants.get(tid)
-                if tenant is not None and tenant.policy != tenant_policy:
-                    tenant.set_policy(tenant_policy)
+                if tenant is not None and tenant.cls.policy != tenant_policy:
+                    tenant.cls.set_policy(tenant_policy)
                     scope = set(tenant.gpus)
             case Admitted(tenant=tid):
                 tenant = table.tenants.get(tid)
@@ -195,13 +195,13 @@ class Scheduler:
             case FootprintRemembered(tenant=tid, peak_bytes=peak):
                 tenant = table.tenants.get(tid)
                 if tenant is not None and peak > 0:
-                    tenant.remembered = peak
-                    tenant.known = True
+                    tenant.memory.remembered = peak
+                    tenant.memory.known = True
                     scope = set(tenant.gpus)
             case TenantUnswappable(tenant=tid, reason=reason):
                 tenant = table.tenants.get(tid)
-                if tenant is not None and tenant.unswappable is None:
-                    tenant.unswappable = reason
+                if tenant is not None and tenant.memory.unswappable is None:
+                    tenant.memory.unswappable = reason
                     scope = set(tenant.gpus)
             case Tick():
                 scope = {g for g, d in table.deadlines.items() if d <= now}
@@ -253,7 +253,7 @@ class Scheduler:
     def residency(self, tenant: TenantId) -> Residency | None:
         """Where a tenant's memory is (``None``: unknown tenant)."""
         known = self._t.tenants.get(tenant)
-        return None if known is None else known.residency
+        return None if known is None else known.memory.residency
 
     def gated(self, tenant: TenantId) -> bool:
         """Whether the scheduler has a tenant gated (asked, and not let go since)."""
@@ -263,7 +263,7 @@ class Scheduler:
     def peak(self, tenant: TenantId) -> dict[GpuId, int]:
         """The most memory a tenant was seen using, per GPU (empty: unknown)."""
         known = self._t.tenants.get(tenant)
-        return {} if known is None else dict(known.peak)
+        return {} if known is None else dict(known.memory.peak)
 
     def tenant_ids(self) -> frozenset[TenantId]:
         """Return every tenant the core knows."""
@@ -295,7 +295,7 @@ class Scheduler:
             return set(gpus)
         scope = set(known.gpus | gpus)
         if gpus - known.gpus:
-            known.claim = table.next_claim()  # the newest claim yields a conflict
+            known.turn.claim = table.next_claim()  # the newest claim yields a conflict
         table.unindex(known)
         known.gpus = gpus
         table.index(known)
@@ -308,12 +308,12 @@ class Scheduler:
             return set()
         tenant.gated = True
         if swapped is not None:
-            tenant.residency = move(tenant.residency, Move.ADOPTED_SWAPPED)
-            tenant.known = True
-            tenant.peak.update(swapped)
+            tenant.memory.residency = move(tenant.memory.residency, Move.ADOPTED_SWAPPED)
+            tenant.memory.known = True
+            tenant.memory.peak.update(swapped)
         table.set_state(tenant, Trigger.ADOPTED, now)
         tenant.seq = table.next_seq()
-        tenant.adopting_until = now + table.policy_of(tenant).idle_release_s
+        tenant.turn.adopting_until = now + table.policy_of(tenant).idle_release_s
         return set(tenant.gpus)
 
     def _swap_finished(self, event: SwapFinished, now: float) -> set[GpuId]:
@@ -323,37 +323,37 @@ class Scheduler:
             return set()
         ledger = tenant.ledger
         if event.direction == "out":
-            if tenant.residency is not R.SWAPPING_OUT:
+            if tenant.memory.residency is not R.SWAPPING_OUT:
                 return set()  # not asked for (a stale report): nothing to learn
             ledger.swap_s += max(0.0, event.seconds)
             if event.ok:
-                tenant.residency = move(tenant.residency, Move.OUT_DONE)
+                tenant.memory.residency = move(tenant.memory.residency, Move.OUT_DONE)
                 ledger.swapped_out_bytes += event.moved_bytes
             else:
-                tenant.residency = move(tenant.residency, Move.OUT_FAILED)
+                tenant.memory.residency = move(tenant.memory.residency, Move.OUT_FAILED)
                 why = event.reason or "unknown error"
                 if event.unswappable:
-                    tenant.unswappable = why
+                    tenant.memory.unswappable = why
                 else:
-                    tenant.swap_refusal = f"its swap-out failed: {why}"
-                    tenant.refused_until_run = True
+                    tenant.memory.swap_refusal = f"its swap-out failed: {why}"
+                    tenant.memory.refused_until_run = True
             return set(tenant.gpus)
-        if tenant.residency not in (R.SWAPPING_IN, R.PREFETCHING):
+        if tenant.memory.residency not in (R.SWAPPING_IN, R.PREFETCHING):
             return set()
         ledger.swap_s += max(0.0, event.seconds)
         if event.ok:
-            tenant.residency = move(tenant.residency, Move.IN_DONE)
+            tenant.memory.residency = move(tenant.memory.residency, Move.IN_DONE)
             ledger.swapped_in_bytes += event.moved_bytes
             self._learn_restore_rate(tenant, event)
             return set(tenant.gpus)
         if event.deferred:  # not started: it waits for a reading that shows the room
-            tenant.residency = move(tenant.residency, Move.IN_DEFERRED)
-            tenant.waiting_for = event.reason or "waiting for free memory"
+            tenant.memory.residency = move(tenant.memory.residency, Move.IN_DEFERRED)
+            tenant.turn.waiting_for = event.reason or "waiting for free memory"
             return set(tenant.gpus)
-        tenant.residency = move(tenant.residency, Move.IN_FAILED)
+        tenant.memory.residency = move(tenant.memory.residency, Move.IN_FAILED)
         tq = table.policy_of(tenant).tq_s
-        tenant.retry_at = now + tq
-        tenant.waiting_for = (
+        tenant.turn.retry_at = now + tq
+        tenant.turn.waiting_for = (
             f"its restore failed ({event.reason or 'unknown error'}); it tries again "
             f"at its turn after {tq:g} s"
         )
@@ -371,13 +371,13 @@ class Scheduler:
 
     def _restore_waits(self, gpu: GpuId) -> bool:
         """Whether a tenant on ``gpu`` is in host RAM, gated: more free memory may let it back."""
-        return any(t.residency is R.HOST and t.gated for t in self._t.members(gpu))
+        return any(t.memory.residency is R.HOST and t.gated for t in self._t.members(gpu))
 
     def _clear_floor_refusals(self) -> set[GpuId]:
         """Forget host-floor refusals (the floor or the reading changed): plan again."""
         scope: set[GpuId] = set()
         for t in self._t.tenants.values():
-            if t.swap_refusal is not None and not t.refused_until_run:
-                t.swap_refusal = None
+            if t.memory.swap_refusal is not None and not t.memory.refused_until_run:
+                t.memory.swap_refusal = None
                 scope |= t.gpus
         return scope

@@ -32,7 +32,7 @@ def view(table: TenantTable, now: float) -> SchedulerView:
                 policy=policy,
                 gating=gpu in gating,
                 holder=holder.id if holder else None,
-                holder_since=holder.granted_at if holder else None,
+                holder_since=holder.turn.granted_at if holder else None,
                 preempt_at=_due(table.preempt_at(holder, gating)) if holder else None,
                 holder_quantum_s=table.quantum(holder, holder.gpus & gating) if holder else None,
                 waiters=tuple(
@@ -42,7 +42,7 @@ def view(table: TenantTable, now: float) -> SchedulerView:
                         position,
                         ahead_s=sum(quanta[: position - 1]),
                         outranked=any(
-                            o.policy.priority > t.policy.priority
+                            o.cls.policy.priority > t.cls.policy.priority
                             for o in ([holder] if holder else []) + waiters[: position - 1]
                         ),
                     )
@@ -68,25 +68,25 @@ def view(table: TenantTable, now: float) -> SchedulerView:
             state=t.state,
             since=t.state_since,
             gpus=t.gpus,
-            last_active=t.last_active,
-            footprint=dict(t.footprint),
+            last_active=t.turn.last_active,
+            footprint=dict(t.memory.footprint),
             ledger=t.ledger.view(t.state, t.state_since, now, t.entitled(now)),
-            resident=t.residency.on_card,
-            peak=dict(t.peak),
-            residency=t.residency,
+            resident=t.memory.residency.on_card,
+            peak=dict(t.memory.peak),
+            residency=t.memory.residency,
             gated=t.gated,
             waiting_for=_waiting_for(t, now),
-            swap_refusal=t.unswappable or t.swap_refusal,
-            gate_failure=t.fault.reason if t.loose and t.fault else None,
-            policy=t.policy,
+            swap_refusal=t.memory.unswappable or t.memory.swap_refusal,
+            gate_failure=t.fault.cause.reason if t.loose and t.fault.cause else None,
+            policy=t.cls.policy,
             quantum_s=table.quantum(t, t.gpus & gating) if t.gpus & gating else None,
-            boosted=t.boosted,
-            entitled_share=t.entitled_rate,
-            last_preemption=t.last_preemption,
-            remembered=t.remembered,
+            boosted=t.cls.boosted,
+            entitled_share=t.cls.entitled_rate,
+            last_preemption=t.turn.last_preemption,
+            remembered=t.memory.remembered,
             fault=_fault(t),
             gate_pending=t.gate_pending,
-            released_note=t.released_note,
+            released_note=t.fault.released,
             foreign_short=_foreign_short(table, t),
         )
         for t in sorted(table.tenants.values(), key=lambda t: t.id)
@@ -95,7 +95,7 @@ def view(table: TenantTable, now: float) -> SchedulerView:
 
 
 def _fault(tenant: TenantRecord) -> FaultView | None:
-    fault = tenant.fault
+    fault = tenant.fault.cause
     if fault is None:
         return None
     return FaultView(
@@ -103,7 +103,7 @@ def _fault(tenant: TenantRecord) -> FaultView | None:
         fault.reason,
         fault.at,
         fault.contained,
-        tenant.mending,
+        tenant.fault.mending,
         fault.pid,
         fault.answer,
     )
@@ -115,7 +115,7 @@ def _foreign_short(table: TenantTable, tenant: TenantRecord) -> str | None:
     Its restore would fit by the scheduler's count of the card, yet the driver's last
     reading of its free memory is short: something outside kiwid's tenants holds it.
     """
-    if not tenant.gated or tenant.residency is not R.HOST or tenant.state is S.STUCK:
+    if not tenant.gated or tenant.memory.residency is not R.HOST or tenant.state is S.STUCK:
         return None
     gpus = frozenset(g for g in tenant.gpus if g in table.policies)
     if room.shortfall(table, tenant, gpus, whole_card=False):
@@ -145,17 +145,17 @@ def _waiting_for(tenant: TenantRecord, now: float) -> str | None:
     """Why a gated tenant is not let go although it may be next (``None``: it is not)."""
     if not tenant.gated:
         return None
-    if tenant.adopting_until > now:
+    if tenant.turn.adopting_until > now:
         return (
             "re-adopted from a previous kiwid: it waits "
-            f"{tenant.adopting_until - now:.1f} s more for running tenants to show"
+            f"{tenant.turn.adopting_until - now:.1f} s more for running tenants to show"
         )
-    if tenant.waiting_for is not None and (
-        tenant.retry_at > now or tenant.state is S.HOLDER or tenant.residency is R.HOST
+    if tenant.turn.waiting_for is not None and (
+        tenant.turn.retry_at > now or tenant.state is S.HOLDER or tenant.memory.residency is R.HOST
     ):
-        return tenant.waiting_for
-    if tenant.residency.moving:
-        return f"its memory is moving ({tenant.residency.value})"
+        return tenant.turn.waiting_for
+    if tenant.memory.residency.moving:
+        return f"its memory is moving ({tenant.memory.residency.value})"
     return None
 
 

@@ -139,7 +139,7 @@ class TenantTable:
                 t = self.tenants[tid]
                 if t.bursting or t is extra:
                     # What it declared counts before it shows it: it will use that much.
-                    demand += max(t.footprint.get(gpu) or 0, t.policy.memory_bytes or 0)
+                    demand += max(t.memory.footprint.get(gpu) or 0, t.cls.policy.memory_bytes or 0)
             if demand > policy.capacity_bytes - policy.reserve_bytes:
                 gating.add(gpu)
         return frozenset(gating)
@@ -159,7 +159,7 @@ class TenantTable:
             for t in (self.tenants.values() if among is None else among)
             if t.state in (S.WAITING, S.CORUNNING) and t.gpus & gating
         ]
-        return sorted(wanting, key=lambda t: (-t.rank, t.seq))
+        return sorted(wanting, key=lambda t: (-t.cls.rank, t.seq))
 
     def claimed(
         self,
@@ -176,7 +176,7 @@ class TenantTable:
         for t in among:
             if t is exclude or t.state is S.IDLE or t.holds_nothing:
                 continue
-            if t.adopting_until <= self.now:
+            if t.turn.adopting_until <= self.now:
                 claimed |= t.gpus & gating
         return claimed
 
@@ -194,9 +194,9 @@ class TenantTable:
             state = t.state
             if state is not S.WAITING and state is not S.CORUNNING:
                 continue
-            if t.retry_at > now or t.adopting_until > now:
+            if t.turn.retry_at > now or t.turn.adopting_until > now:
                 continue
-            rank, priority = t.rank, t.policy.priority
+            rank, priority = t.cls.rank, t.cls.policy.priority
             for gpu in t.gpus:
                 if gpu not in gating:
                     continue
@@ -213,12 +213,12 @@ class TenantTable:
         The rest of one a higher class cut short, else its TQ (its own, or the
         shortest of the GPUs') times its weight.
         """
-        if holder.remaining_s is not None:
-            return holder.remaining_s
-        tq = holder.policy.tq_s
+        if holder.turn.remaining_s is not None:
+            return holder.turn.remaining_s
+        tq = holder.cls.policy.tq_s
         if tq is None:
             tq = min((self.policies[g].tq_s for g in gpus if g in self.policies), default=30.0)
-        return tq * holder.policy.weight
+        return tq * holder.cls.policy.weight
 
     def preempt_at(
         self,
@@ -233,19 +233,19 @@ class TenantTable:
         ``preempt_after`` into its quantum if one of a higher priority waits.
         ``wanted``: what waits per gated GPU (computed if not given).
         """
-        if holder.granted_at is None or holder.ungate_pending:
+        if holder.turn.granted_at is None or holder.ungate_pending:
             return None  # its quantum has not begun (its memory is coming back, its unlock)
         if wanted is None:
             wanted = self.wanted(gating, self.closure(set(holder.gpus)))
         mine = [g for g in holder.gpus & gating if g in wanted]
         due: tuple[float, str] | None = None
         # A boosted holder's one quantum is over when anyone waits.
-        contested = [g for g in mine if holder.boosted or wanted[g][0] >= holder.rank]
+        contested = [g for g in mine if holder.cls.boosted or wanted[g][0] >= holder.cls.rank]
         if contested:
-            due = (holder.granted_at + self.quantum(holder, contested), "quantum")
-        higher = [g for g in mine if wanted[g][1] > holder.policy.priority]
-        if higher and not holder.boosted:
-            after = holder.granted_at + min(self.policies[g].preempt_after_s for g in higher)
+            due = (holder.turn.granted_at + self.quantum(holder, contested), "quantum")
+        higher = [g for g in mine if wanted[g][1] > holder.cls.policy.priority]
+        if higher and not holder.cls.boosted:
+            after = holder.turn.granted_at + min(self.policies[g].preempt_after_s for g in higher)
             if due is None or after < due[0]:
                 due = (after, "priority")
         return due
@@ -254,10 +254,14 @@ class TenantTable:
         """When a running holder or co-runner without further activity goes idle."""
         if tenant.gated or tenant.ungate_pending:
             return math.inf  # not let go yet, or its unlock is under way: it cannot run
-        began = tenant.window_at if tenant.window_at is not None else tenant.granted_at
-        start = max((t for t in (began, tenant.last_active) if t is not None), default=self.now)
+        began = (
+            tenant.turn.window_at if tenant.turn.window_at is not None else tenant.turn.granted_at
+        )
+        start = max(
+            (t for t in (began, tenant.turn.last_active) if t is not None), default=self.now
+        )
         if _silent_since(tenant, began):
-            start -= tenant.quiet_s  # silent in its earlier turns too
+            start -= tenant.turn.quiet_s  # silent in its earlier turns too
         return start + self.policy_of(tenant).idle_release_s
 
     # ------------------------------------------------------------ changes
@@ -268,12 +272,12 @@ class TenantTable:
         ledger = tenant.ledger
         ledger.close(tenant.state, tenant.state_since, now)
         leaving_hold = tenant.state is S.HOLDER
-        if leaving_hold and tenant.granted_at is not None:
-            tenant.known = True  # one hold seen: its peak is its working set
+        if leaving_hold and tenant.turn.granted_at is not None:
+            tenant.memory.known = True  # one hold seen: its peak is its working set
         if new is S.HOLDER:
             ledger.quanta += 1
-            tenant.last_run = now
-            tenant.claim = self.next_claim()
+            tenant.turn.last_run = now
+            tenant.turn.claim = self.next_claim()
         elif trigger in (Trigger.PREEMPTED, Trigger.PREEMPTED_PRIORITY):
             ledger.preempted += 1
             if trigger is Trigger.PREEMPTED_PRIORITY:
@@ -281,21 +285,25 @@ class TenantTable:
         elif trigger is Trigger.IDLE_TIMEOUT and leaving_hold:
             ledger.early_releases += 1
         if leaving_hold:
-            if tenant.boosted:
-                tenant.set_boost(False)  # a boost is worth one quantum
+            if tenant.cls.boosted:
+                tenant.cls.set_boost(False)  # a boost is worth one quantum
             if trigger is not Trigger.PREEMPTED_PRIORITY:
-                tenant.remaining_s = None
+                tenant.turn.remaining_s = None
         if tenant.running and new not in (S.HOLDER, S.CORUNNING):
             # Its turn ends: carry the silence at its end into the next one.
-            began = tenant.window_at if tenant.window_at is not None else tenant.granted_at
+            began = (
+                tenant.turn.window_at
+                if tenant.turn.window_at is not None
+                else tenant.turn.granted_at
+            )
             if began is not None:
                 if _silent_since(tenant, began):
-                    tenant.quiet_s += now - began
+                    tenant.turn.quiet_s += now - began
                 else:
-                    tenant.quiet_s = now - (tenant.last_active or now)
+                    tenant.turn.quiet_s = now - (tenant.turn.last_active or now)
         if new is S.IDLE:
-            tenant.window_at = None  # its burst is over
-            tenant.quiet_s = 0.0
+            tenant.turn.window_at = None  # its burst is over
+            tenant.turn.quiet_s = 0.0
         self.transitions.append(Transition(tenant.id, tenant.state, new, trigger, now))
         self.changes += 1
         tenant.state = new
@@ -331,44 +339,46 @@ class TenantTable:
         ``found``: where the driver says its memory is (``None``: as the table has it).
         """
         if found is not None:
-            tenant.residency = settle(tenant.residency, found)
+            tenant.memory.residency = settle(tenant.memory.residency, found)
         self.set_state(tenant, Trigger.FAULTED, now)
-        tenant.fault = fault
+        tenant.fault.cause = fault
         tenant.gated = fault.contained
         tenant.void_answers()
-        tenant.granted_at = None
-        tenant.remaining_s = None
-        tenant.free_wait_since = None
-        tenant.waiting_for = None
-        if tenant.boosted:
-            tenant.set_boost(False)
+        tenant.turn.granted_at = None
+        tenant.turn.remaining_s = None
+        tenant.turn.free_wait_since = None
+        tenant.turn.waiting_for = None
+        if tenant.cls.boosted:
+            tenant.cls.set_boost(False)
         tq = self.policy_of(tenant).tq_s
-        tenant.regate_at = math.inf if fault.contained else now + tq
+        tenant.fault.regate_at = math.inf if fault.contained else now + tq
 
     def let_go(self, tenant: TenantRecord, now: float, actions: list[Action]) -> None:
         """Ungate a tenant whose memory is on the card; a holder's quantum starts."""
-        assert tenant.residency.on_card, f"{tenant.id} let go from {tenant.residency}"
-        if tenant.residency is Residency.PREFETCHED:
-            tenant.residency = move(tenant.residency, Move.GRANTED)
+        assert tenant.memory.residency.on_card, f"{tenant.id} let go from {tenant.memory.residency}"
+        if tenant.memory.residency is Residency.PREFETCHED:
+            tenant.memory.residency = move(tenant.memory.residency, Move.GRANTED)
         tenant.gated = False
         tenant.gates_let_go = tenant.gates_asked
-        tenant.waiting_for = None
-        if tenant.refused_until_run:
-            tenant.swap_refusal = None
-            tenant.refused_until_run = False
+        tenant.turn.waiting_for = None
+        if tenant.memory.refused_until_run:
+            tenant.memory.swap_refusal = None
+            tenant.memory.refused_until_run = False
         tenant.ungates_asked += 1
         actions.append(Ungate(tenant.id))
         if tenant.state is S.HOLDER:
-            tenant.granted_at = now
-        tenant.window_at = now  # its window to show activity
+            tenant.turn.granted_at = now
+        tenant.turn.window_at = now  # its window to show activity
 
     def requeue(self, tenant: TenantRecord, trigger: Trigger, now: float) -> None:
         """A holder goes back to the queue (preempted, or its memory cannot come back)."""
         self.set_state(tenant, trigger, now)
-        tenant.granted_at = None
+        tenant.turn.granted_at = None
         tenant.seq = self.next_seq()
 
 
 def _silent_since(tenant: TenantRecord, began: float | None) -> bool:
     """Whether ``tenant`` showed no GPU work since ``began`` (its turn's start)."""
-    return began is not None and (tenant.last_active is None or tenant.last_active < began)
+    return began is not None and (
+        tenant.turn.last_active is None or tenant.turn.last_active < began
+    )

@@ -32,7 +32,7 @@ def entitle(gating: frozenset[GpuId], among: list[TenantRecord], now: float) -> 
     top: dict[GpuId, tuple[int, float]] = {}
     bursting = [t for t in among if t.state is S.HOLDER or t.state is S.WAITING]
     for t in bursting:
-        priority, weight = t.policy.priority, t.policy.weight
+        priority, weight = t.cls.policy.priority, t.cls.policy.weight
         for gpu in t.gpus:
             if gpu not in gating:
                 continue
@@ -43,7 +43,7 @@ def entitle(gating: frozenset[GpuId], among: list[TenantRecord], now: float) -> 
                 top[gpu] = (priority, known[1] + weight)
     rates: dict[int, float] = {}
     for t in bursting:
-        priority, weight = t.policy.priority, t.policy.weight
+        priority, weight = t.cls.policy.priority, t.cls.policy.weight
         rate = None
         for gpu in t.gpus:
             known = top.get(gpu)
@@ -54,10 +54,10 @@ def entitle(gating: frozenset[GpuId], among: list[TenantRecord], now: float) -> 
             rates[id(t)] = rate
     for t in among:
         rate = rates.get(id(t), 0.0)
-        if rate != t.entitled_rate:
+        if rate != t.cls.entitled_rate:
             t.ledger.entitled_s = t.entitled(now)
-            t.entitled_rate = rate
-            t.accounted_at = now
+            t.cls.entitled_rate = rate
+            t.cls.accounted_at = now
 
 
 def update_deadlines(
@@ -94,16 +94,16 @@ def update_deadlines(
         if state is S.IDLE:
             continue
         if t.loose and not t.gated:
-            if not t.mending:  # (a release in flight: its answer wakes the core)
-                wake(t, t.regate_at)
+            if not t.fault.mending:  # (a release in flight: its answer wakes the core)
+                wake(t, t.fault.regate_at)
             continue
         if t.gated:
-            for timer in (t.retry_at, t.adopting_until):
+            for timer in (t.turn.retry_at, t.turn.adopting_until):
                 if timer > now:
                     wake(t, timer)
-            if t.free_wait_since is not None:
-                wake(t, t.free_wait_since + table.policy_of(t).tq_s)
-            if waits and state is S.WAITING and not t.boosted:
+            if t.turn.free_wait_since is not None:
+                wake(t, t.turn.free_wait_since + table.policy_of(t).tq_s)
+            if waits and state is S.WAITING and not t.cls.boosted:
                 limit = max_wait(waits, t)
                 if limit is not None:
                     wake(t, t.state_since + limit)

@@ -21,7 +21,7 @@ from kiwid.core.events import (
 )
 from kiwid.core.model import GpuPolicy, Mode, Newcomer, SwapMode, TenantPolicy, TenantState
 from kiwid.core.scheduler import Scheduler
-from kiwid.core.tenant import TenantRecord
+from kiwid.core.tenant import Memory, TenantRecord
 from tests.core.timed_card import GiB, TimedCard
 
 S = TenantState
@@ -72,9 +72,9 @@ def test_a_declared_newcomer_comes_back_like_a_steady_tenant() -> None:
 
 def test_the_largest_of_declared_seen_and_remembered_sizes_a_tenant() -> None:
     def size(declared: int | None, peak: int = 0, footprint: int = 0, remembered: int = 0) -> int:
-        record = TenantRecord("t", frozenset({"0"}), 0, remembered=remembered)
-        record.set_policy(TenantPolicy(memory_bytes=declared))
-        record.peak["0"], record.footprint["0"] = peak, footprint
+        record = TenantRecord("t", frozenset({"0"}), 0, memory=Memory(remembered=remembered))
+        record.cls.set_policy(TenantPolicy(memory_bytes=declared))
+        record.memory.peak["0"], record.memory.footprint["0"] = peak, footprint
         return record.size("0")
 
     assert size(40 * GiB) == 40 * GiB  # nothing seen yet: the declaration
@@ -91,9 +91,9 @@ sizes = st.integers(0, 200 * GiB)
 def test_a_declaration_never_shrinks_a_known_footprint(
     declared: int | None, peak: int, seen: int, kept: int
 ) -> None:
-    record = TenantRecord("t", frozenset({"0"}), 0, remembered=kept, known=True)
-    record.set_policy(TenantPolicy(memory_bytes=declared))
-    record.peak["0"], record.footprint["0"] = peak, seen
+    record = TenantRecord("t", frozenset({"0"}), 0, memory=Memory(remembered=kept, known=True))
+    record.cls.set_policy(TenantPolicy(memory_bytes=declared))
+    record.memory.peak["0"], record.memory.footprint["0"] = peak, seen
     assert record.size("0") == max(peak, seen, kept, declared or 0)
     assert record.held("0") == max(peak, seen, kept)  # what a swap-out moves
 

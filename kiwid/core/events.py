@@ -1,11 +1,18 @@
-"""What goes into the scheduling core (events) and what comes out (actions)."""
+"""What goes into the scheduling core (events) and what comes out (actions).
+
+Every action about one tenant carries the tenant's *epoch* as the core had it
+when it asked, and every result the shell reports echoes it back. The core counts
+a result only at the tenant's current epoch; a result of an older one (a job that
+returned after a let-go, a fault, an operator's word) is old news: the core asks
+for a :class:`Converge`, which reads the truth and drives it to what is wanted now.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kiwid.core.model import GpuId, GpuPolicy, TenantId, TenantPolicy
+from kiwid.core.model import Fault, GpuId, GpuPolicy, TenantId, TenantPolicy
 from kiwid.core.residency import Residency
 
 # ---------------------------------------------------------------- events
@@ -77,6 +84,8 @@ class SwapFinished:
     unswappable: bool = False
     """A swap-out refused for good: the driver cannot checkpoint this tenant (its
     memory stays on the card from now on)."""
+    epoch: int = field(kw_only=True)
+    """The epoch of the swap it answers."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,7 @@ class Gated:
     """
 
     tenant: TenantId
+    epoch: int = field(kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,7 @@ class Ungated:
     """
 
     tenant: TenantId
+    epoch: int = field(kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -129,12 +140,8 @@ class TenantFaulted:
     """The process the failing call was about, if one."""
     answer: str | None = None
     """What the driver (or the kernel) answered, e.g. ``CUDA_ERROR_OPERATING_SYSTEM (304)``."""
-    answers: bool = True
-    """Whether it is the answer of the job its operation names, which the core
-    counts: for ``gate``, of a :class:`Gate` asked; for ``retry`` and ``release``, of
-    the operator's job under way. A fault of a gated tenant's new process (a follow),
-    a fence's telling of a fault, or a call that returned late answers nothing: it
-    counts as it comes, and ends no operator's job."""
+    epoch: int = field(kw_only=True)
+    """The epoch of the job that failed: a fault of an older one is old news."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +162,7 @@ class Mended:
     tenant: TenantId
     memory: Residency
     """``RESIDENT`` or ``HOST``."""
+    epoch: int = field(kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -177,6 +185,7 @@ class Released:
     complete: bool
     note: str = ""
     contained: bool = True
+    epoch: int = field(kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -256,6 +265,59 @@ class TenantUnswappable:
 
 
 @dataclass(frozen=True)
+class Converged:
+    """The shell carried out a :class:`Converge` (or a :class:`Fence`): the truth it found.
+
+    What the core wanted (:class:`Want`) is where the tenant is now, as far as the
+    shell could drive it: ``runs`` whether a process of it runs (unlocked, unfrozen),
+    ``memory`` where the driver has its memory (``RESIDENT``, ``HOST`` or
+    ``UNKNOWN``), ``host_bytes`` what of it the state file records in host RAM,
+    per GPU (``None``: nothing). A want it could not reach comes as a
+    :class:`TenantFaulted` instead.
+    """
+
+    tenant: TenantId
+    runs: bool
+    memory: Residency | None
+    host_bytes: Mapping[GpuId, int] | None = None
+    note: str = ""
+    """What it did, for the log (empty: nothing needed doing)."""
+    epoch: int = field(kw_only=True)
+    """The epoch of the want it drove to."""
+
+
+@dataclass(frozen=True)
+class JobOverdue:
+    """A job of the tenant ran past its deadline: its driver call has not returned.
+
+    The tenant is stuck, whatever its epoch: its jobs run one at a time, and this
+    one keeps the tenant's lane until its call returns. ``may_run``: the call may
+    leave the tenant running (a lock, an unlock): it is fenced with the freezer.
+    """
+
+    tenant: TenantId
+    operation: str
+    reason: str
+    may_run: bool
+    moving: bool = False
+    """The call moves memory: where it is, is unknown until it returns."""
+    epoch: int = field(kw_only=True)
+
+
+@dataclass(frozen=True)
+class MemorySplit:
+    """A gated tenant whose memory is in host RAM has processes on the card, locked.
+
+    A process it started since its swap-out (a follow locked it) holds room that the
+    others count on: the core asks for a :class:`Converge`, which moves it there too.
+    """
+
+    tenant: TenantId
+    pids: tuple[int, ...]
+    epoch: int = field(kw_only=True)
+
+
+@dataclass(frozen=True)
 class Tick:
     """Only time passed (the shell woke for ``next_deadline``)."""
 
@@ -281,6 +343,9 @@ Event = (
     | MemoryFreeSeen
     | FootprintRemembered
     | TenantUnswappable
+    | Converged
+    | JobOverdue
+    | MemorySplit
     | Tick
 )
 
@@ -292,6 +357,8 @@ class Gate:
     """Stop the tenant's GPU work (freeze its cgroup, or take its CUDA lock)."""
 
     tenant: TenantId
+    epoch: int = field(default=0, compare=False, kw_only=True)
+    """The tenant's epoch when it was asked (its answer echoes it)."""
 
 
 @dataclass(frozen=True)
@@ -299,6 +366,8 @@ class Ungate:
     """Let the tenant's GPU work go on (only ever while its memory is on the card)."""
 
     tenant: TenantId
+    epoch: int = field(default=0, compare=False, kw_only=True)
+    """The tenant's epoch when it was asked (its answer echoes it)."""
 
 
 @dataclass(frozen=True)
@@ -313,6 +382,8 @@ class SwapOut:
     sizes: tuple[tuple[GpuId, int], ...] = field(default=(), compare=False)
     """What leaves, per GPU, by the scheduler's own count (the state file records
     it ahead of the checkpoint): one owner of where memory is."""
+    epoch: int = field(default=0, compare=False, kw_only=True)
+    """The tenant's epoch when it was asked (its answer echoes it)."""
 
 
 @dataclass(frozen=True)
@@ -323,6 +394,8 @@ class SwapIn:
     """
 
     tenant: TenantId
+    epoch: int = field(default=0, compare=False, kw_only=True)
+    """The tenant's epoch when it was asked (its answer echoes it)."""
 
 
 @dataclass(frozen=True)
@@ -333,6 +406,8 @@ class Retry:
     """
 
     tenant: TenantId
+    epoch: int = field(default=0, compare=False, kw_only=True)
+    """The tenant's epoch when it was asked (its answer echoes it)."""
 
 
 @dataclass(frozen=True)
@@ -343,6 +418,55 @@ class Release:
     """
 
     tenant: TenantId
+    epoch: int = field(default=0, compare=False, kw_only=True)
+    """The tenant's epoch when it was asked (its answer echoes it)."""
 
 
-Action = Gate | Ungate | SwapOut | SwapIn | Retry | Release
+@dataclass(frozen=True)
+class Converge:
+    """Read the truth of a tenant and drive it to what the core wants now.
+
+    Asked after every fault, after a result of an old epoch, and when a gated
+    tenant in host RAM has processes on the card. The shell asks the core for the
+    :class:`Want` as the job starts (level-triggered: what is wanted then, not
+    when it was asked) and answers :class:`Converged`, or :class:`TenantFaulted`
+    where it could not reach it.
+    """
+
+    tenant: TenantId
+    epoch: int = field(default=0, compare=False, kw_only=True)
+    """The tenant's epoch when it was asked (its answer echoes it)."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Freeze a tenant whose driver call hangs and may leave it running.
+
+    The freezer never calls the driver: it is the one thing that runs beside a
+    hung driver call of the same tenant. Answered by :class:`Converged`.
+    """
+
+    tenant: TenantId
+    epoch: int = field(default=0, compare=False, kw_only=True)
+    """The tenant's epoch when it was asked (its answer echoes it)."""
+
+
+Action = Gate | Ungate | SwapOut | SwapIn | Retry | Release | Converge | Fence
+
+
+@dataclass(frozen=True)
+class Want:
+    """What the core wants of a tenant now (a converge drives the truth to it)."""
+
+    tenant: TenantId
+    epoch: int
+    gated: bool
+    """Every process of it locked (or its cgroup frozen); else all of it runs."""
+    memory: Residency | None
+    """Where its memory belongs: ``RESIDENT`` (on the card), ``HOST``, or ``None``:
+    wherever it is (a move is asked, or it is stuck): only said, never moved."""
+    host_bytes: Mapping[GpuId, int] = field(default_factory=dict)
+    """Its size per GPU, what the state file records when its memory is in host RAM."""
+    fault: Fault | None = None
+    """Why it is stuck (``None``: it is not): the state file keeps it, so that a
+    restarted kiwid keeps it stuck."""

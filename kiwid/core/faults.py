@@ -1,79 +1,60 @@
-"""Stuck tenants: a fault that makes one, a gate that mends one, an operator's word.
+"""Stuck tenants: a fault or an overdue job that makes one, and an operator's word.
 
-The handlers of :class:`~kiwid.core.scheduler.Scheduler` for ``Gated``,
-``Ungated``, ``TenantFaulted``, ``RetryAsked``, ``Mended`` and ``Released``. Each changes the
-table and returns the GPUs whose rotation must be looked at again.
+The handlers of :class:`~kiwid.core.scheduler.Scheduler` for ``TenantFaulted``,
+``JobOverdue``, ``RetryAsked``, ``Mended``, ``ReleaseAsked`` and ``Released``.
+A fault moves the tenant's epoch (what was asked of it before is old news) and
+asks for a converge, which contains it. Each handler changes the table and
+returns the GPUs whose rotation must be looked at again.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
-from kiwid.core.events import Action, Released, Retry, TenantFaulted
+from kiwid.core.events import (
+    Action,
+    JobOverdue,
+    Mended,
+    Release,
+    Released,
+    Retry,
+    TenantFaulted,
+)
+from kiwid.core.lever import Pull, pull
 from kiwid.core.model import GpuId, TenantId, TenantState
 from kiwid.core.residency import Residency, settle
 from kiwid.core.states import Trigger
 from kiwid.core.table import TenantTable
-from kiwid.core.tenant import OPERATORS_JOBS, Fault
+from kiwid.core.tenant import Fault
 
 S = TenantState
 R = Residency
 
 
-def gated(table: TenantTable, tid: TenantId, now: float) -> set[GpuId]:
-    """A gate took: the tenant no longer runs (and a loose stuck one is mended)."""
-    tenant = table.tenants.get(tid)
+def faulted(
+    table: TenantTable, event: TenantFaulted, now: float, actions: list[Action]
+) -> set[GpuId]:
+    """An operation on the tenant failed for good: it is stuck."""
+    tenant = table.answering(event.tenant, event.epoch, actions)
+    if tenant is None or tenant.state is S.RELEASED:
+        return set()  # old news, or released: the operator's word stands
+    fault = Fault(event.operation, event.reason, now, event.contained, event.pid, event.answer)
+    table.fault(tenant, fault, event.memory, now, actions)
+    return set(tenant.gpus)
+
+
+def overdue(table: TenantTable, event: JobOverdue, now: float, actions: list[Action]) -> set[GpuId]:
+    """A job ran past its deadline: its tenant is stuck, whatever epoch the job was of.
+
+    Its call keeps the tenant's lane until it returns (nothing else of the tenant
+    runs meanwhile). One that may leave it running is fenced with the freezer.
+    """
+    tenant = table.tenants.get(event.tenant)
     if tenant is None:
         return set()
-    if not tenant.answer_gate():  # stale, or superseded by a later let-go
-        return set(tenant.gpus)  # it may no longer be in the way of anyone
-    answered = tenant.gates_done == tenant.gates_asked
-    # An operator's release or retry under way decides, not a gate asked before it.
-    mends = not tenant.fault.mending
-    if tenant.state is S.STUCK and tenant.loose and tenant.gated and answered and mends:
-        if tenant.memory.residency is R.UNKNOWN and tenant.fault.cause is not None:
-            # Gated now, but only a retry finds where its memory is: it stays stuck,
-            # contained (never let go with its memory nowhere known).
-            tenant.fault.cause = replace(tenant.fault.cause, contained=True)
-            tenant.fault.regate_at = math.inf
-            return set(tenant.gpus)
-        table.set_state(tenant, Trigger.GATE_MENDED, now)
-        tenant.fault.cause = None
-        tenant.fault.regate_at = math.inf
-        tenant.seq = table.next_seq()
-    return set(tenant.gpus)
-
-
-def ungated(table: TenantTable, tid: TenantId, now: float) -> set[GpuId]:
-    """An ungate took: the tenant runs; its quantum and its window to show work start now.
-
-    Until then it holds on (neither idle nor preempted): it cannot run yet, and a gate
-    asked meanwhile would wait behind the unlock anyway. Its deadline bounds the wait.
-    """
-    tenant = table.tenants.get(tid)
-    if tenant is None or not tenant.ungate_pending:
-        return set()  # a stale answer (it got stuck since)
-    tenant.ungates_done += 1
-    last = tenant.ungates_done == tenant.ungates_asked  # not one asked again since
-    if last and tenant.running:
-        tenant.turn.window_at = now
-        if tenant.state is S.HOLDER:
-            tenant.turn.granted_at = now
-    return set(tenant.gpus)
-
-
-def faulted(table: TenantTable, event: TenantFaulted, now: float) -> set[GpuId]:
-    """An operation on the tenant failed for good: it is stuck (unless the gate is moot)."""
-    tenant = table.tenants.get(event.tenant)
-    if tenant is None or tenant.state is S.RELEASED:
-        return set()  # (released: the answer to a job asked before the operator's word)
-    if event.operation == "gate" and event.answers and not tenant.answer_gate():
-        return set(tenant.gpus)  # a gate it no longer needs (let go since) failed
-    fault = Fault(event.operation, event.reason, now, event.contained, event.pid, event.answer)
-    table.fault(tenant, fault, event.memory, now)
-    if event.operation in OPERATORS_JOBS and event.answers:
-        tenant.fault.mending = False  # the operator's job answered (any other fault: it still runs)
+    fault = Fault(event.operation, event.reason, now, not event.may_run)
+    found = R.UNKNOWN if event.moving else None
+    table.fault(tenant, fault, found, now, actions, fence=event.may_run)
     return set(tenant.gpus)
 
 
@@ -92,41 +73,51 @@ def retry_asked(table: TenantTable, tid: TenantId, now: float, actions: list[Act
         tenant.fault.regate_at = now
         return set(tenant.gpus)
     tenant.fault.mending = True
-    actions.append(Retry(tid))
+    actions.append(Retry(tid, epoch=table.new_epoch(tenant)))
     return set()
 
 
-def mended(table: TenantTable, tid: TenantId, found: Residency, now: float) -> set[GpuId]:
-    """The retry worked: the tenant is gated, its memory where the driver found it, and queued."""
+def release_asked(
+    table: TenantTable, tid: TenantId, now: float, actions: list[Action]
+) -> set[GpuId]:
+    """An operator asks to let a stuck tenant run ungated, outside the rotation."""
     tenant = table.tenants.get(tid)
+    if tenant is not None and tenant.state is S.STUCK and not tenant.fault.mending:
+        tenant.fault.mending = True
+        actions.append(Release(tid, epoch=table.new_epoch(tenant)))
+    return set()
+
+
+def mended(table: TenantTable, event: Mended, now: float, actions: list[Action]) -> set[GpuId]:
+    """The retry worked: the tenant is gated, its memory where the driver found it, and queued."""
+    tenant = table.answering(event.tenant, event.epoch, actions)
     if tenant is None or tenant.state is not S.STUCK:
         return set()
-    tenant.memory.residency = settle(tenant.memory.residency, found)
+    tenant.memory.residency = settle(tenant.memory.residency, event.memory)
     table.set_state(tenant, Trigger.RETRIED, now)
     tenant.fault.cause = None
     tenant.fault.mending = False
-    tenant.gated = True
+    tenant.lever = pull(tenant.lever, Pull.HELD)
     tenant.fault.regate_at = math.inf
     tenant.turn.retry_at = -math.inf
     tenant.seq = table.next_seq()
     return set(tenant.gpus)
 
 
-def released(table: TenantTable, event: Released, now: float) -> set[GpuId]:
+def released(table: TenantTable, event: Released, now: float, actions: list[Action]) -> set[GpuId]:
     """An operator's release ended: the tenant runs ungated, or stays stuck if it was not whole."""
-    tenant = table.tenants.get(event.tenant)
+    tenant = table.answering(event.tenant, event.epoch, actions)
     if tenant is None or tenant.state is not S.STUCK:
         return set()
     tenant.fault.mending = False
     if not event.complete:
         fault = Fault("release", event.note, now, event.contained)
-        table.fault(tenant, fault, None, now)
+        table.fault(tenant, fault, None, now, actions)
         return set(tenant.gpus)
     tenant.memory.residency = settle(tenant.memory.residency, R.RESIDENT)
     table.set_state(tenant, Trigger.RELEASED, now)
-    tenant.void_answers()
     tenant.fault.cause = None
-    tenant.gated = False
+    tenant.lever = pull(tenant.lever, Pull.LOOSE)
     tenant.fault.regate_at = math.inf
     tenant.fault.released = event.note or None
     tenant.turn.last_active = now

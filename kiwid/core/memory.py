@@ -36,6 +36,17 @@ def occupied(members: Iterable[TenantRecord], gpu: GpuId, exclude: TenantRecord 
     return sum(t.size(gpu) for t in members if t is not exclude and t.memory.residency.takes_room)
 
 
+def host_size(tenant: TenantRecord, gpu: GpuId, policy: GpuPolicy | None) -> int:
+    """What ``tenant``'s memory on ``gpu`` takes in host RAM, as the state file records it.
+
+    What it holds by what was seen of it; a tenant nobody saw use memory yet counts
+    as what it declared, else as the whole card: an unknown footprint is never 0,
+    or a restore would be let start with no room kept for it.
+    """
+    held = tenant.held(gpu) or tenant.cls.policy.memory_bytes or 0
+    return held or (room(policy) if policy is not None else 0)
+
+
 def wants_whole_card(tenant: TenantRecord, policy: GpuPolicy) -> bool:
     """Whether ``tenant`` gets the card to itself on its turn: a newcomer, by policy.
 

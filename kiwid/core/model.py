@@ -188,6 +188,9 @@ class GpuPolicy:
         max_wait_s: The longest a tenant waits behind higher priority classes
             before it gets one quantum all the same (``None``: no bound).
         newcomer: What a tenant whose footprint nobody knows needs on its first turn.
+        link_bytes_per_s: The rates (out to host RAM, back in) a swap is expected to
+            run at until one is seen on this GPU (``None``: the slowest expected of
+            the driver's checkpoint on an H200).
     """
 
     tq_s: float = 30.0
@@ -199,6 +202,7 @@ class GpuPolicy:
     preempt_after_s: float = 0.0
     max_wait_s: float | None = None
     newcomer: Newcomer = Newcomer.WHOLE_CARD
+    link_bytes_per_s: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         """Reject values the scheduler cannot honour.
@@ -217,3 +221,19 @@ class GpuPolicy:
             raise ValueError(f"preempt_after_s must be >= 0, not {self.preempt_after_s}")
         if self.max_wait_s is not None and not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s must be > 0, not {self.max_wait_s}")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Why a tenant is stuck."""
+
+    operation: str
+    """What kiwid was doing: ``gate``, ``ungate``, ``swap-out``, ``swap-in``, ``retry``,
+    ``release`` or ``adopt``."""
+    reason: str
+    at: float
+    """When (monotonic seconds)."""
+    contained: bool
+    """Whether kiwid knows it does not run (gated, locked or fenced)."""
+    pid: int | None = None
+    answer: str | None = None

@@ -16,6 +16,8 @@ that decide who holds. Three promises:
 
 from __future__ import annotations
 
+import math
+
 from kiwid.core import memory
 from kiwid.core.events import Action, SwapIn, SwapOut
 from kiwid.core.model import GpuId, SwapMode, TenantState
@@ -29,6 +31,9 @@ R = Residency
 PREFETCH_MARGIN_S = 1.0
 DEFAULT_RESTORE_BYTES_PER_S = 5e9
 """Restore rate assumed until one is seen (the driver's restore on an H200: 5.5-7 GB/s)."""
+DEFAULT_CHECKPOINT_BYTES_PER_S = 2e9
+"""Checkpoint rate assumed until one is seen (the driver's checkpoint on an H200: 2.2 GB/s);
+a move is overdue only past twice its size at the rate, so this errs on the safe side."""
 
 
 # ---------------------------------------------------------------- holders
@@ -49,7 +54,7 @@ def release_ungated(table: TenantTable, t: TenantRecord, now: float, actions: li
         if low is not None:
             t.turn.waiting_for = low
             return
-        _restore(t, actions)
+        _restore(table, t, actions)
 
 
 def start_holder(
@@ -60,6 +65,15 @@ def start_holder(
     actions: list[Action],
 ) -> None:
     """A granted holder, still gated: room first, then its memory, then let it go."""
+    if table.overdue(t):  # its own move hangs: the next one goes first
+        late = now - t.memory.move_due
+        t.turn.waiting_for = (
+            f"its memory is still moving ({t.memory.residency.value}), {late:.0f} s past the "
+            "time its size takes at the rate seen so far: the next one goes first"
+        )
+        table.requeue(t, Trigger.PASSED_OVER, now)
+        t.seq = table.front_seq()  # first again once its move ends
+        return
     if t.memory.residency.moving:
         return  # its own swap ends first (a SwapFinished brings us back)
     gpus = t.gpus & gating
@@ -88,7 +102,7 @@ def start_holder(
             return
         low = free_short(table, t, gpus)
         if low is None:
-            _restore(t, actions)
+            _restore(table, t, actions)
             return
         tq = table.policy_of(t).tq_s
         since = t.turn.free_wait_since = (
@@ -118,11 +132,44 @@ def _in_the_way(other: TenantRecord, gpus: frozenset[GpuId]) -> str:
     return f"{other.id} is being gated on {where}"
 
 
-def _restore(t: TenantRecord, actions: list[Action]) -> None:
+def _restore(table: TenantTable, t: TenantRecord, actions: list[Action]) -> None:
     t.memory.residency = move(t.memory.residency, Move.SWAP_IN)
     t.turn.waiting_for = None
     t.turn.free_wait_since = None
-    actions.append(SwapIn(t.id))
+    _moving(table, t, "in")
+    actions.append(SwapIn(t.id, epoch=t.epoch))
+
+
+def _moving(table: TenantTable, t: TenantRecord, direction: str) -> None:
+    """A move of ``t`` was just asked: by when it should be done (``move_due``).
+
+    Twice its size at the rate seen so far on its GPUs (or the link's expected
+    rate, before one is seen), after the moves the same way already on their way
+    there (its lane may make it wait for them), plus a margin: a move past that
+    hangs, and its tenant is passed over for its turn rather than idle the GPU.
+    """
+    rates = table.restore_rate if direction == "in" else table.checkpoint_rate
+    same = (R.SWAPPING_IN, R.PREFETCHING) if direction == "in" else (R.SWAPPING_OUT,)
+    start = table.now
+    seconds = 0.0
+    for gpu in t.gpus:
+        for other in table.members(gpu):
+            if other is not t and other.memory.residency in same:
+                start = max(start, other.memory.move_due)
+        rate = rates.get(gpu) or _link_rate(table, gpu, direction)
+        seconds = max(seconds, 2 * t.held(gpu) / rate)
+    if start == math.inf:  # one ahead of it is overdue itself: count from now
+        start = table.now
+    t.memory.move_due = start + seconds + PREFETCH_MARGIN_S
+
+
+def _link_rate(table: TenantTable, gpu: GpuId, direction: str) -> float:
+    """The rate a swap ``direction`` is expected to run at on ``gpu`` before one is seen."""
+    policy = table.policies.get(gpu)
+    link = policy.link_bytes_per_s if policy is not None else None
+    if link is not None:
+        return link[1] if direction == "in" else link[0]
+    return DEFAULT_RESTORE_BYTES_PER_S if direction == "in" else DEFAULT_CHECKPOINT_BYTES_PER_S
 
 
 def _step_aside(table: TenantTable, t: TenantRecord, why: str, now: float) -> None:
@@ -242,7 +289,9 @@ def swap_out(table: TenantTable, t: TenantRecord, actions: list[Action]) -> None
     if _floor_refusal(table, t) is not None:
         return
     t.memory.residency = move(t.memory.residency, Move.SWAP_OUT)
-    actions.append(SwapOut(t.id, tuple((g, t.held(g)) for g in sorted(t.gpus))))
+    _moving(table, t, "out")
+    sizes = tuple((g, t.held(g)) for g in sorted(t.gpus))
+    actions.append(SwapOut(t.id, sizes, epoch=t.epoch))
 
 
 # ---------------------------------------------------------------- hand-overs
@@ -280,7 +329,7 @@ def prefetch(
         used = memory.occupied(table.members(gpu), gpu, nxt)
         if used + nxt.size(gpu) > memory.room(policy):
             return None
-        rate = table.restore_rate.get(gpu, DEFAULT_RESTORE_BYTES_PER_S)
+        rate = table.restore_rate.get(gpu) or _link_rate(table, gpu, "in")
         seconds = max(seconds, nxt.held(gpu) / rate + PREFETCH_MARGIN_S)
     if free_short(table, nxt, nxt.gpus & gating) is not None:
         return None
@@ -353,7 +402,8 @@ def prefetch_next(
             nxt = plan[0]
             nxt.memory.residency = move(nxt.memory.residency, Move.PREFETCH)
             nxt.turn.waiting_for = None
-            actions.append(SwapIn(nxt.id))
+            _moving(table, nxt, "in")
+            actions.append(SwapIn(nxt.id, epoch=nxt.epoch))
 
 
 def checkpoint_waiters(

@@ -222,6 +222,8 @@ def grant_in_turn(p: Pass) -> None:
         need = t.gpus & gating
         if t.turn.retry_at > now or t.turn.adopting_until > now:
             continue  # its memory could not come back lately, or it is re-adopted
+        if table.overdue(t):
+            continue  # its move hangs: passed over, it keeps its place
         if need & blocked:
             if t.state is S.CORUNNING:
                 table.set_state(t, Trigger.GATING_STARTED, now)

@@ -40,22 +40,25 @@ rate seen so far on that GPU, plus a second). The hand-over then moves the gate.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
-from kiwid.core import faults, memory, rotation, snapshot
+from kiwid.core import answers, faults, memory, rotation, snapshot
 from kiwid.core.events import (
     Action,
     ActivitySeen,
     Admitted,
+    Converged,
     Event,
     FootprintRemembered,
     FootprintSeen,
     Gated,
     GpusConfigured,
     HostMemorySeen,
+    JobOverdue,
     MemoryFreeSeen,
+    MemorySplit,
     Mended,
-    Release,
     ReleaseAsked,
     Released,
     RetryAsked,
@@ -68,8 +71,10 @@ from kiwid.core.events import (
     TenantUnswappable,
     Tick,
     Ungated,
+    Want,
 )
 from kiwid.core.ledger import LedgerView
+from kiwid.core.lever import Pull, pull
 from kiwid.core.model import GpuId, GpuPolicy, Mode, TenantId, TenantState
 from kiwid.core.residency import Move, Residency, move
 from kiwid.core.states import Trigger
@@ -81,8 +86,12 @@ __all__ = ["Scheduler", "Transition"]
 
 S = TenantState
 R = Residency
-_TIME_OR_MEMORY = frozenset({Tick, SwapFinished, HostMemorySeen, MemoryFreeSeen, Gated, Ungated})
+_TIME_OR_MEMORY = frozenset(
+    {Tick, SwapFinished, HostMemorySeen, MemoryFreeSeen, Gated, Ungated, Converged, MemorySplit}
+)
 """Events after which entitlements change only if a tenant changed state."""
+Scope = set[GpuId] | None
+"""The GPUs whose rotation an event makes the core look at again (``None``: every one)."""
 
 
 class Scheduler:
@@ -121,90 +130,7 @@ class Scheduler:
         actions: list[Action] = []
         # Most events touch the GPUs of one tenant only: reconcile just those
         # (``scope``); ``None`` means every GPU.
-        scope: set[GpuId] | None = set()
-        match event:
-            case GpusConfigured(policies=policies, host_floor_bytes=floor):
-                table.policies = dict(policies)
-                table.host = memory.HostMemory(table.host.available, floor)
-                self._clear_floor_refusals()
-                scope = None
-            case TenantAttached(tenant=tid, gpus=gpus):
-                scope = self._attach(tid, gpus, now)
-            case TenantDetached(tenant=tid):
-                gone = table.tenants.pop(tid, None)
-                if gone is not None:
-                    table.unindex(gone)
-                    scope = set(gone.gpus)
-            case ActivitySeen(tenant=tid):
-                tenant = table.tenants.get(tid)
-                if tenant is not None:
-                    tenant.turn.last_active = now
-                    if tenant.state is S.IDLE:
-                        rotation.start_burst(table, tenant, now, actions)
-                        scope = set(tenant.gpus)
-            case FootprintSeen(tenant=tid, gpu=gpu, used_bytes=used):
-                tenant = table.tenants.get(tid)
-                if tenant is not None:
-                    tenant.memory.footprint[gpu] = used
-                    if used is not None and used > tenant.memory.peak.get(gpu, 0):
-                        tenant.memory.peak[gpu] = used
-                    policy = table.policies.get(gpu)
-                    if policy is not None and (policy.mode is Mode.AUTO or tenant.turn.waiting_for):
-                        scope = {gpu}
-            case SwapFinished():
-                scope = self._swap_finished(event, now)
-            case Gated(tenant=tid):
-                scope = faults.gated(self._t, tid, now)
-            case Ungated(tenant=tid):
-                scope = faults.ungated(self._t, tid, now)
-            case TenantFaulted():
-                scope = faults.faulted(self._t, event, now)
-            case RetryAsked(tenant=tid):
-                scope = faults.retry_asked(self._t, tid, now, actions)
-            case Mended(tenant=tid, memory=found):
-                scope = faults.mended(self._t, tid, found, now)
-            case ReleaseAsked(tenant=tid):
-                tenant = table.tenants.get(tid)
-                if tenant is not None and tenant.state is S.STUCK and not tenant.fault.mending:
-                    tenant.fault.mending = True
-                    actions.append(Release(tid))
-            case Released():
-                scope = faults.released(self._t, event, now)
-            case TenantAdopted(tenant=tid, swapped=swapped):
-                scope = self._adopt(tid, swapped, now)
-            case TenantPolicySet(tenant=tid, policy=tenant_policy):
-                tenant = table.tenants.get(tid)
-                if tenant is not None and tenant.cls.policy != tenant_policy:
-                    tenant.cls.set_policy(tenant_policy)
-                    scope = set(tenant.gpus)
-            case Admitted(tenant=tid):
-                tenant = table.tenants.get(tid)
-                if tenant is not None and tenant.state is S.IDLE and self.would_wait(tid):
-                    rotation.start_burst(table, tenant, now, actions)
-                    scope = set(tenant.gpus)
-            case HostMemorySeen(available_bytes=available):
-                before = table.host.available
-                table.host = memory.HostMemory(available, table.host.floor)
-                if before is None or available > before:
-                    scope = self._clear_floor_refusals()
-            case MemoryFreeSeen(gpu=gpu, free_bytes=free):
-                before = table.free_seen.get(gpu)
-                table.free_seen[gpu] = free
-                if before is None or free > before:  # a restore may wait for it
-                    scope = {gpu} if self._restore_waits(gpu) else set()
-            case FootprintRemembered(tenant=tid, peak_bytes=peak):
-                tenant = table.tenants.get(tid)
-                if tenant is not None and peak > 0:
-                    tenant.memory.remembered = peak
-                    tenant.memory.known = True
-                    scope = set(tenant.gpus)
-            case TenantUnswappable(tenant=tid, reason=reason):
-                tenant = table.tenants.get(tid)
-                if tenant is not None and tenant.memory.unswappable is None:
-                    tenant.memory.unswappable = reason
-                    scope = set(tenant.gpus)
-            case Tick():
-                scope = {g for g, d in table.deadlines.items() if d <= now}
+        scope = self._HANDLERS[kind](self, event, now, actions)
         if scope is None or scope:
             members_changed = kind not in _TIME_OR_MEMORY
             rotation.reconcile(table, now, actions, scope, members_changed=members_changed)
@@ -260,6 +186,33 @@ class Scheduler:
         known = self._t.tenants.get(tenant)
         return known is not None and known.gated
 
+    def epoch(self, tenant: TenantId) -> int | None:
+        """A tenant's epoch now (``None``: unknown tenant)."""
+        known = self._t.tenants.get(tenant)
+        return None if known is None else known.epoch
+
+    def want(self, tenant: TenantId) -> Want | None:
+        """What the core wants of a tenant now, for a converge to drive the truth to.
+
+        Gated while the scheduler holds it gated or it is stuck (a stuck one whose
+        gate did not take is wanted gated all the same); its memory on the card
+        while it runs, where the scheduler has it while gated and settled, and
+        wherever it is (``None``) while a move is asked or it is stuck.
+        """
+        t = self._t.tenants.get(tenant)
+        if t is None:
+            return None
+        stuck = t.state is S.STUCK
+        gated = (t.gated or stuck) and t.state is not S.RELEASED
+        residency = t.memory.residency
+        where: Residency | None = None
+        if not gated or (not stuck and residency.on_card):
+            where = R.RESIDENT
+        elif not stuck and residency is R.HOST:
+            where = R.HOST
+        sizes = {g: memory.host_size(t, g, self._t.policies.get(g)) for g in sorted(t.gpus)}
+        return Want(tenant, t.epoch, gated, where, sizes, t.fault.cause if stuck else None)
+
     def peak(self, tenant: TenantId) -> dict[GpuId, int]:
         """The most memory a tenant was seen using, per GPU (empty: unknown)."""
         known = self._t.tenants.get(tenant)
@@ -284,12 +237,23 @@ class Scheduler:
         return snapshot.view(self._t, now)
 
     # ------------------------------------------------------------ events
+    # One handler per kind of event: it changes the table and returns the GPUs whose
+    # rotation must be looked at again (``None``: every GPU).
 
-    def _attach(self, tid: TenantId, gpus: frozenset[GpuId], now: float) -> set[GpuId]:
+    def _configured(self, e: GpusConfigured, now: float, actions: list[Action]) -> Scope:
         table = self._t
+        table.policies = dict(e.policies)
+        table.host = memory.HostMemory(table.host.available, e.host_floor_bytes)
+        self._clear_floor_refusals()
+        return None
+
+    def _attach(self, e: TenantAttached, now: float, actions: list[Action]) -> Scope:
+        table = self._t
+        tid, gpus = e.tenant, e.gpus
         known = table.tenants.get(tid)
         if known is None:
             known = TenantRecord(tid, gpus, table.next_seq(), state_since=now)
+            table.new_epoch(known)
             table.tenants[tid] = known
             table.index(known)
             return set(gpus)
@@ -301,73 +265,157 @@ class Scheduler:
         table.index(known)
         return scope
 
-    def _adopt(self, tid: TenantId, swapped: Mapping[GpuId, int] | None, now: float) -> set[GpuId]:
+    def _detach(self, e: TenantDetached, now: float, actions: list[Action]) -> Scope:
+        gone = self._t.tenants.pop(e.tenant, None)
+        if gone is None:
+            return set()
+        self._t.unindex(gone)
+        return set(gone.gpus)
+
+    def _activity(self, e: ActivitySeen, now: float, actions: list[Action]) -> Scope:
+        tenant = self._t.tenants.get(e.tenant)
+        if tenant is None:
+            return set()
+        tenant.turn.last_active = now
+        if tenant.state is not S.IDLE:
+            return set()
+        rotation.start_burst(self._t, tenant, now, actions)
+        return set(tenant.gpus)
+
+    def _footprint(self, e: FootprintSeen, now: float, actions: list[Action]) -> Scope:
+        tenant = self._t.tenants.get(e.tenant)
+        if tenant is None:
+            return set()
+        mem = tenant.memory
+        mem.footprint[e.gpu] = e.used_bytes
+        if e.used_bytes is not None and e.used_bytes > mem.peak.get(e.gpu, 0):
+            mem.peak[e.gpu] = e.used_bytes
+        policy = self._t.policies.get(e.gpu)
+        if policy is not None and (policy.mode is Mode.AUTO or tenant.turn.waiting_for):
+            return {e.gpu}
+        return set()
+
+    def _swap_finished(self, e: SwapFinished, now: float, actions: list[Action]) -> Scope:
+        return answers.swap_finished(self._t, e, now, actions)
+
+    def _gated(self, e: Gated, now: float, actions: list[Action]) -> Scope:
+        return answers.gated(self._t, e.tenant, e.epoch, now, actions)
+
+    def _ungated(self, e: Ungated, now: float, actions: list[Action]) -> Scope:
+        return answers.ungated(self._t, e.tenant, e.epoch, now, actions)
+
+    def _converged(self, e: Converged, now: float, actions: list[Action]) -> Scope:
+        return answers.converged(self._t, e, now, actions)
+
+    def _split(self, e: MemorySplit, now: float, actions: list[Action]) -> Scope:
+        return answers.memory_split(self._t, e, now, actions)
+
+    def _faulted(self, e: TenantFaulted, now: float, actions: list[Action]) -> Scope:
+        return faults.faulted(self._t, e, now, actions)
+
+    def _overdue(self, e: JobOverdue, now: float, actions: list[Action]) -> Scope:
+        return faults.overdue(self._t, e, now, actions)
+
+    def _retry_asked(self, e: RetryAsked, now: float, actions: list[Action]) -> Scope:
+        return faults.retry_asked(self._t, e.tenant, now, actions)
+
+    def _mended(self, e: Mended, now: float, actions: list[Action]) -> Scope:
+        return faults.mended(self._t, e, now, actions)
+
+    def _release_asked(self, e: ReleaseAsked, now: float, actions: list[Action]) -> Scope:
+        return faults.release_asked(self._t, e.tenant, now, actions)
+
+    def _released(self, e: Released, now: float, actions: list[Action]) -> Scope:
+        return faults.released(self._t, e, now, actions)
+
+    def _adopt(self, e: TenantAdopted, now: float, actions: list[Action]) -> Scope:
         table = self._t
-        tenant = table.tenants.get(tid)
+        tenant = table.tenants.get(e.tenant)
         if tenant is None or tenant.state is not S.IDLE:
             return set()
-        tenant.gated = True
-        if swapped is not None:
+        tenant.lever = pull(tenant.lever, Pull.HELD)
+        if e.swapped is not None:
             tenant.memory.residency = move(tenant.memory.residency, Move.ADOPTED_SWAPPED)
             tenant.memory.known = True
-            tenant.memory.peak.update(swapped)
+            tenant.memory.peak.update(e.swapped)
         table.set_state(tenant, Trigger.ADOPTED, now)
         tenant.seq = table.next_seq()
         tenant.turn.adopting_until = now + table.policy_of(tenant).idle_release_s
         return set(tenant.gpus)
 
-    def _swap_finished(self, event: SwapFinished, now: float) -> set[GpuId]:
-        table = self._t
-        tenant = table.tenants.get(event.tenant)
-        if tenant is None:
+    def _policy_set(self, e: TenantPolicySet, now: float, actions: list[Action]) -> Scope:
+        tenant = self._t.tenants.get(e.tenant)
+        if tenant is None or tenant.cls.policy == e.policy:
             return set()
-        ledger = tenant.ledger
-        if event.direction == "out":
-            if tenant.memory.residency is not R.SWAPPING_OUT:
-                return set()  # not asked for (a stale report): nothing to learn
-            ledger.swap_s += max(0.0, event.seconds)
-            if event.ok:
-                tenant.memory.residency = move(tenant.memory.residency, Move.OUT_DONE)
-                ledger.swapped_out_bytes += event.moved_bytes
-            else:
-                tenant.memory.residency = move(tenant.memory.residency, Move.OUT_FAILED)
-                why = event.reason or "unknown error"
-                if event.unswappable:
-                    tenant.memory.unswappable = why
-                else:
-                    tenant.memory.swap_refusal = f"its swap-out failed: {why}"
-                    tenant.memory.refused_until_run = True
-            return set(tenant.gpus)
-        if tenant.memory.residency not in (R.SWAPPING_IN, R.PREFETCHING):
-            return set()
-        ledger.swap_s += max(0.0, event.seconds)
-        if event.ok:
-            tenant.memory.residency = move(tenant.memory.residency, Move.IN_DONE)
-            ledger.swapped_in_bytes += event.moved_bytes
-            self._learn_restore_rate(tenant, event)
-            return set(tenant.gpus)
-        if event.deferred:  # not started: it waits for a reading that shows the room
-            tenant.memory.residency = move(tenant.memory.residency, Move.IN_DEFERRED)
-            tenant.turn.waiting_for = event.reason or "waiting for free memory"
-            return set(tenant.gpus)
-        tenant.memory.residency = move(tenant.memory.residency, Move.IN_FAILED)
-        tq = table.policy_of(tenant).tq_s
-        tenant.turn.retry_at = now + tq
-        tenant.turn.waiting_for = (
-            f"its restore failed ({event.reason or 'unknown error'}); it tries again "
-            f"at its turn after {tq:g} s"
-        )
-        if tenant.state is S.HOLDER:
-            table.requeue(tenant, Trigger.SWAP_IN_FAILED, now)
+        tenant.cls.set_policy(e.policy)
         return set(tenant.gpus)
 
-    def _learn_restore_rate(self, tenant: TenantRecord, event: SwapFinished) -> None:
-        if event.seconds > 0 and event.moved_bytes > 0 and tenant.gpus:
-            rate = event.moved_bytes / event.seconds / len(tenant.gpus)
-            rates = self._t.restore_rate
-            for gpu in tenant.gpus:
-                old = rates.get(gpu)
-                rates[gpu] = rate if old is None else (old + rate) / 2
+    def _admitted(self, e: Admitted, now: float, actions: list[Action]) -> Scope:
+        tenant = self._t.tenants.get(e.tenant)
+        if tenant is None or tenant.state is not S.IDLE or not self.would_wait(e.tenant):
+            return set()
+        rotation.start_burst(self._t, tenant, now, actions)
+        return set(tenant.gpus)
+
+    def _host_memory(self, e: HostMemorySeen, now: float, actions: list[Action]) -> Scope:
+        table = self._t
+        before = table.host.available
+        table.host = memory.HostMemory(e.available_bytes, table.host.floor)
+        if before is None or e.available_bytes > before:
+            return self._clear_floor_refusals()
+        return set()
+
+    def _free_memory(self, e: MemoryFreeSeen, now: float, actions: list[Action]) -> Scope:
+        before = self._t.free_seen.get(e.gpu)
+        self._t.free_seen[e.gpu] = e.free_bytes
+        if before is None or e.free_bytes > before:  # a restore may wait for it
+            return {e.gpu} if self._restore_waits(e.gpu) else set()
+        return set()
+
+    def _remembered(self, e: FootprintRemembered, now: float, actions: list[Action]) -> Scope:
+        tenant = self._t.tenants.get(e.tenant)
+        if tenant is None or e.peak_bytes <= 0:
+            return set()
+        tenant.memory.remembered = e.peak_bytes
+        tenant.memory.known = True
+        return set(tenant.gpus)
+
+    def _unswappable(self, e: TenantUnswappable, now: float, actions: list[Action]) -> Scope:
+        tenant = self._t.tenants.get(e.tenant)
+        if tenant is None or tenant.memory.unswappable is not None:
+            return set()
+        tenant.memory.unswappable = e.reason
+        return set(tenant.gpus)
+
+    def _tick(self, e: Tick, now: float, actions: list[Action]) -> Scope:
+        return {g for g, d in self._t.deadlines.items() if d <= now}
+
+    _HANDLERS: ClassVar[dict[type, Callable[[Scheduler, Any, float, list[Action]], Scope]]] = {
+        GpusConfigured: _configured,
+        TenantAttached: _attach,
+        TenantDetached: _detach,
+        ActivitySeen: _activity,
+        FootprintSeen: _footprint,
+        SwapFinished: _swap_finished,
+        Gated: _gated,
+        Ungated: _ungated,
+        Converged: _converged,
+        MemorySplit: _split,
+        TenantFaulted: _faulted,
+        JobOverdue: _overdue,
+        RetryAsked: _retry_asked,
+        Mended: _mended,
+        ReleaseAsked: _release_asked,
+        Released: _released,
+        TenantAdopted: _adopt,
+        TenantPolicySet: _policy_set,
+        Admitted: _admitted,
+        HostMemorySeen: _host_memory,
+        MemoryFreeSeen: _free_memory,
+        FootprintRemembered: _remembered,
+        TenantUnswappable: _unswappable,
+        Tick: _tick,
+    }
 
     def _restore_waits(self, gpu: GpuId) -> bool:
         """Whether a tenant on ``gpu`` is in host RAM, gated: more free memory may let it back."""

@@ -34,6 +34,10 @@ class Trigger(enum.StrEnum):
         "its memory could not come back (restore failed, or no room); it waits, "
         "the rotation goes on"
     )
+    PASSED_OVER = (
+        "granted while its memory moves, and the move runs past its expected time: "
+        "the next one goes first"
+    )
     ADOPTED = "a previous kiwid left it gated; it waits for its turn"
     FAULTED = (
         "an operation on it failed for good, ran past its deadline, or left the driver out of step"
@@ -61,6 +65,7 @@ TRANSITIONS: dict[tuple[TenantState, Trigger], TenantState] = {
     (S.CORUNNING, T.GRANTED): S.HOLDER,
     (S.IDLE, T.SWAPPED_OUT): S.WAITING,
     (S.HOLDER, T.SWAP_IN_FAILED): S.WAITING,
+    (S.HOLDER, T.PASSED_OVER): S.WAITING,
     (S.IDLE, T.ADOPTED): S.WAITING,
     (S.IDLE, T.FAULTED): S.STUCK,
     (S.HOLDER, T.FAULTED): S.STUCK,

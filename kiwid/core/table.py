@@ -14,7 +14,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kiwid.core.events import Action, Gate, Ungate
+from kiwid.core.events import Action, Converge, Fence, Gate, Ungate
+from kiwid.core.lever import Pull, pull
 from kiwid.core.memory import HostMemory
 from kiwid.core.model import GpuId, GpuPolicy, Mode, TenantId, TenantState
 from kiwid.core.residency import Move, Residency, move, settle
@@ -55,6 +56,7 @@ class TenantTable:
         # reconcile, never a missed deadline.
         self.deadlines: dict[GpuId, float] = {}
         self.restore_rate: dict[GpuId, float] = {}  # bytes/s, smoothed, per GPU
+        self.checkpoint_rate: dict[GpuId, float] = {}  # bytes/s, smoothed, per GPU
         self.free_seen: dict[GpuId, int] = {}
         """Per GPU, its free memory by the driver's last reading (bytes)."""
         self.host = HostMemory()
@@ -63,6 +65,7 @@ class TenantTable:
         self._seq = itertools.count()
         self._front = itertools.count(-1, -1)
         self._claims = itertools.count()
+        self._epochs = itertools.count(1)
 
     # ------------------------------------------------------------ membership
 
@@ -77,6 +80,30 @@ class TenantTable:
     def next_claim(self) -> int:
         """A new claim order, after every one drawn before."""
         return next(self._claims)
+
+    def new_epoch(self, tenant: TenantRecord) -> int:
+        """Move ``tenant`` to a new epoch: what was asked of it before is old news.
+
+        Drawn from one counter for every tenant, so that a tenant that leaves and
+        comes back under the same key never meets an epoch of the one before.
+        """
+        tenant.epoch = next(self._epochs)
+        return tenant.epoch
+
+    def answering(self, tid: TenantId, epoch: int, actions: list[Action]) -> TenantRecord | None:
+        """The tenant a result of ``epoch`` answers for, or ``None`` if it answers nothing.
+
+        A result of another epoch (its job was asked before a let-go, a fault or an
+        operator's word) is old news: it changes nothing, and a :class:`Converge`
+        is asked, which reads the truth and drives it to what is wanted now.
+        """
+        tenant = self.tenants.get(tid)
+        if tenant is None:
+            return None
+        if epoch != tenant.epoch:
+            actions.append(Converge(tid, epoch=tenant.epoch))
+            return None
+        return tenant
 
     def index(self, tenant: TenantRecord) -> None:
         """Add ``tenant`` to the per-GPU index."""
@@ -194,7 +221,7 @@ class TenantTable:
             state = t.state
             if state is not S.WAITING and state is not S.CORUNNING:
                 continue
-            if t.turn.retry_at > now or t.turn.adopting_until > now:
+            if t.turn.retry_at > now or t.turn.adopting_until > now or self.overdue(t):
                 continue
             rank, priority = t.cls.rank, t.cls.policy.priority
             for gpu in t.gpus:
@@ -206,6 +233,15 @@ class TenantTable:
                 elif rank > known[0] or priority > known[1]:
                     wanted[gpu] = (rank if rank > known[0] else known[0], max(priority, known[1]))
         return wanted
+
+    def overdue(self, tenant: TenantRecord) -> bool:
+        """Whether a move of ``tenant``'s memory runs past the time it should take.
+
+        Its size at the rate seen so far (``move_due``): a checkpoint or restore that
+        hangs must not keep the GPU idle behind it, so such a tenant is passed over
+        for its turn until its move ends (or its deadline makes it stuck).
+        """
+        return tenant.memory.residency.moving and self.now >= tenant.memory.move_due
 
     def quantum(self, holder: TenantRecord, gpus: Iterable[GpuId]) -> float:
         """Its quantum on ``gpus``, in seconds.
@@ -315,9 +351,8 @@ class TenantTable:
         It counts as running until the shell confirms the gate (``Gated``).
         """
         if not tenant.gated:
-            tenant.gated = True
-            tenant.gates_asked += 1
-            actions.append(Gate(tenant.id))
+            tenant.lever = pull(tenant.lever, Pull.GATE)
+            actions.append(Gate(tenant.id, epoch=tenant.epoch))
 
     def in_the_way(self, tenant: TenantRecord, gpus: Iterable[GpuId]) -> TenantRecord | None:
         """Another tenant on ``gpus`` that may run now: ``tenant`` must not be let go there."""
@@ -333,39 +368,49 @@ class TenantTable:
         fault: Fault,
         found: Residency | None,
         now: float,
+        actions: list[Action],
+        *,
+        fence: bool = False,
     ) -> None:
         """``tenant`` is stuck: it holds nothing, and is gated unless its gate did not take.
 
         ``found``: where the driver says its memory is (``None``: as the table has it).
+        Its epoch moves (an operator's job under way answers nothing any more), and a
+        :class:`Converge` is asked, which contains it; ``fence``: a driver call of it
+        hangs, so the freezer holds it meanwhile (:class:`Fence`).
         """
         if found is not None:
             tenant.memory.residency = settle(tenant.memory.residency, found)
         self.set_state(tenant, Trigger.FAULTED, now)
         tenant.fault.cause = fault
-        tenant.gated = fault.contained
-        tenant.void_answers()
+        tenant.fault.mending = False
+        tenant.lever = pull(tenant.lever, Pull.HELD if fault.contained else Pull.LOOSE)
+        epoch = self.new_epoch(tenant)
         tenant.turn.granted_at = None
         tenant.turn.remaining_s = None
         tenant.turn.free_wait_since = None
         tenant.turn.waiting_for = None
         if tenant.cls.boosted:
             tenant.cls.set_boost(False)
+        tenant.memory.move_due = math.inf
         tq = self.policy_of(tenant).tq_s
         tenant.fault.regate_at = math.inf if fault.contained else now + tq
+        if fence:
+            actions.append(Fence(tenant.id, epoch=epoch))
+        actions.append(Converge(tenant.id, epoch=epoch))
 
     def let_go(self, tenant: TenantRecord, now: float, actions: list[Action]) -> None:
         """Ungate a tenant whose memory is on the card; a holder's quantum starts."""
         assert tenant.memory.residency.on_card, f"{tenant.id} let go from {tenant.memory.residency}"
         if tenant.memory.residency is Residency.PREFETCHED:
             tenant.memory.residency = move(tenant.memory.residency, Move.GRANTED)
-        tenant.gated = False
-        tenant.gates_let_go = tenant.gates_asked
+        tenant.lever = pull(tenant.lever, Pull.UNGATE)
+        epoch = self.new_epoch(tenant)
         tenant.turn.waiting_for = None
         if tenant.memory.refused_until_run:
             tenant.memory.swap_refusal = None
             tenant.memory.refused_until_run = False
-        tenant.ungates_asked += 1
-        actions.append(Ungate(tenant.id))
+        actions.append(Ungate(tenant.id, epoch=epoch))
         if tenant.state is S.HOLDER:
             tenant.turn.granted_at = now
         tenant.turn.window_at = now  # its window to show activity

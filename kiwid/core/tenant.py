@@ -14,30 +14,14 @@ import math
 from dataclasses import dataclass, field
 
 from kiwid.core.ledger import Ledger
-from kiwid.core.model import GpuId, TenantId, TenantPolicy, TenantState, TenantSwap
+from kiwid.core.lever import Lever
+from kiwid.core.model import Fault, GpuId, TenantId, TenantPolicy, TenantState, TenantSwap
 from kiwid.core.residency import Residency
 
 S = TenantState
 
 
-OPERATORS_JOBS = frozenset({"retry", "release"})
-"""The operations of the jobs an operator asks for (``kiwictl retry``, ``release``)."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Why a tenant is stuck."""
-
-    operation: str
-    """What kiwid was doing: ``gate``, ``ungate``, ``swap-out``, ``swap-in``, ``retry``,
-    ``release`` or ``adopt``."""
-    reason: str
-    at: float
-    """When (monotonic seconds)."""
-    contained: bool
-    """Whether kiwid knows it does not run (gated, locked or fenced)."""
-    pid: int | None = None
-    answer: str | None = None
+__all__ = ["Class", "Fault", "FaultState", "Memory", "TenantRecord", "Turn"]
 
 
 @dataclass
@@ -95,6 +79,9 @@ class Memory:
     """Why its memory may not be moved for now (``None``: it may)."""
     refused_until_run: bool = False
     """``swap_refusal`` came from a failed swap-out: it holds until it runs again."""
+    move_due: float = math.inf
+    """A move of it in flight should be done by then (its size at the rate seen so
+    far): past it, the move is overdue and the tenant is passed over for its turn."""
 
 
 @dataclass
@@ -152,19 +139,11 @@ class TenantRecord:
     """Queue order: lower is earlier (FIFO; re-drawn when it is queued again)."""
     state: TenantState = S.IDLE
     state_since: float = 0.0
-    gated: bool = False
-    """The scheduler asked for it to be gated and has not let it go since."""
-    gates_asked: int = 0
-    """How many :class:`~kiwid.core.events.Gate` actions were asked for it."""
-    gates_done: int = 0
-    """How many of them the shell answered (``Gated``, or a gate's fault)."""
-    gates_let_go: int = 0
-    """``gates_asked`` when it was last let go: an answer to one of those gates comes
-    too late to matter (it runs now, by the scheduler's own decision)."""
-    ungates_asked: int = 0
-    """How many :class:`~kiwid.core.events.Ungate` actions were asked for it."""
-    ungates_done: int = 0
-    """How many of them the shell answered (``Ungated``; a fault voids the rest)."""
+    epoch: int = 0
+    """Moves at every let-go, fault, operator's retry or release: every action carries
+    it, and a result counts only at the epoch it was asked in (:mod:`kiwid.core.answers`)."""
+    lever: Lever = Lever.OPEN
+    """Where its gate stands (:mod:`kiwid.core.lever`)."""
     turn: Turn = field(default_factory=Turn)
     memory: Memory = field(default_factory=Memory)
     fault: FaultState = field(default_factory=FaultState)
@@ -197,34 +176,19 @@ class TenantRecord:
         )
 
     @property
-    def gate_pending(self) -> bool:
-        """A gate was asked and not answered yet: it may still run.
+    def gated(self) -> bool:
+        """The scheduler asked for it to be gated and has not let it go since."""
+        return self.lever.gated
 
-        Counted, not flagged: a gate, an ungate and a second gate may all be asked
-        before the first one's answer comes back.
-        """
-        return self.gates_done < self.gates_asked
+    @property
+    def gate_pending(self) -> bool:
+        """A gate was asked and has not taken yet: it may still run."""
+        return self.lever is Lever.CLOSING
 
     @property
     def ungate_pending(self) -> bool:
-        """An ungate was asked and not answered yet: it may not run yet (a slow unlock)."""
-        return self.ungates_done < self.ungates_asked
-
-    def void_answers(self) -> None:
-        """What was asked of it before now is void (it got stuck, or an operator let it go)."""
-        self.gates_done = self.gates_asked
-        self.ungates_done = self.ungates_asked
-
-    def answer_gate(self) -> bool:
-        """Count the answer to its oldest outstanding gate; whether that gate still counts.
-
-        ``False`` for a stale answer (none outstanding) and for a gate superseded by a
-        later let-go.
-        """
-        if self.gates_done >= self.gates_asked:
-            return False
-        self.gates_done += 1
-        return self.gates_done > self.gates_let_go
+        """An ungate was asked and has not taken yet: it does not run yet (a slow unlock)."""
+        return self.lever is Lever.OPENING
 
     @property
     def holds_nothing(self) -> bool:

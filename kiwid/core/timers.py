@@ -7,6 +7,8 @@ new one; :func:`update_deadlines` tells the scheduler when it must look again
 
 from __future__ import annotations
 
+import math
+
 from kiwid.core import room
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.table import NO_GPU, TenantTable
@@ -101,6 +103,8 @@ def update_deadlines(
             for timer in (t.turn.retry_at, t.turn.adopting_until):
                 if timer > now:
                     wake(t, timer)
+            if t.memory.residency.moving and now < t.memory.move_due < math.inf:
+                wake(t, t.memory.move_due)  # past it, it is passed over for its turn
             if t.turn.free_wait_since is not None:
                 wake(t, t.turn.free_wait_since + table.policy_of(t).tq_s)
             if waits and state is S.WAITING and not t.cls.boosted:

@@ -134,7 +134,8 @@ def test_a_restore_refused_by_the_shell_waits_without_penalty() -> None:
     card.stuck.clear()
     refused = "waiting for free memory on GPU 0: the driver reports 2.0 GiB free"
     card.do(MemoryFreeSeen("0", 2 * GiB))  # the shell's fresh reading comes first
-    card.do(SwapFinished(victim, "in", ok=False, reason=refused, deferred=True))
+    epoch = card.sched.epoch(victim) or 0
+    card.do(SwapFinished(victim, "in", ok=False, reason=refused, deferred=True, epoch=epoch))
     assert card.sched.residency(victim) is Residency.HOST
     view = {t.tenant: t for t in card.sched.view(card.clock.now()).tenants}
     assert (view[victim].waiting_for or "").startswith("waiting for free memory on GPU 0")

@@ -53,11 +53,11 @@ class Node:
         for action in list(out):
             if isinstance(action, SwapOut | SwapIn):
                 direction = "out" if isinstance(action, SwapOut) else "in"
-                out += self.do(SwapFinished(action.tenant, direction, True))
+                out += self.do(SwapFinished(action.tenant, direction, True, epoch=action.epoch))
             elif isinstance(action, Gate):
-                out += self.do(Gated(action.tenant))
+                out += self.do(Gated(action.tenant, epoch=action.epoch))
             elif isinstance(action, Ungate):
-                out += self.do(Ungated(action.tenant))
+                out += self.do(Ungated(action.tenant, epoch=action.epoch))
         return out
 
     def join(self, name: str, *, weight: float = 1.0, priority: int = 0, **kw: object) -> None:
@@ -184,11 +184,8 @@ def test_swap_never_keeps_a_tenant_on_the_card_while_others_rotate_through_host_
         for action in node.actions[len(out) :]:
             seen.append(action)
             if isinstance(action, SwapOut | SwapIn):
-                node.do(
-                    SwapFinished(
-                        action.tenant, "out" if isinstance(action, SwapOut) else "in", True
-                    )
-                )
+                direction = "out" if isinstance(action, SwapOut) else "in"
+                node.do(SwapFinished(action.tenant, direction, True, epoch=action.epoch))
     assert not [a for a in seen if isinstance(a, SwapOut) and a.tenant == "pinned"]
     assert [a for a in seen if isinstance(a, SwapOut) and a.tenant != "pinned"]
     assert node.tenants()["pinned"].residency is Residency.RESIDENT

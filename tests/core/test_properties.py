@@ -22,7 +22,10 @@ from hypothesis import strategies as st
 from kiwid.core.events import (
     Action,
     ActivitySeen,
+    Converge,
+    Converged,
     Event,
+    Fence,
     FootprintSeen,
     Gate,
     Gated,
@@ -158,17 +161,18 @@ class Run:
             if isinstance(event, TenantAttached):
                 self.attached_at.setdefault(event.tenant, self.now)
             before = self.sched.view(self.now)
-            self.note(event)
+            tenant = getattr(event, "tenant", "")
+            epoch = getattr(event, "epoch", None)
+            current = epoch is None or epoch == self.sched.epoch(tenant)
+            was_stuck = self.sched.tenant_state(tenant) is S.STUCK
+            if current:
+                self.note(event, was_stuck)
             actions = self.sched.handle(event, self.now)
-            stuck = self.sched.tenant_state(getattr(event, "tenant", "")) is S.STUCK
-            if isinstance(event, TenantFaulted) and stuck:
-                # A fault the core took (not the late answer to a gate it let go since).
+            stuck = self.sched.tenant_state(tenant) is S.STUCK
+            if isinstance(event, TenantFaulted) and stuck and current:
                 (self.gated.add if event.contained else self.gated.discard)(event.tenant)
-            if isinstance(event, TenantFaulted | Released) and (
-                self.sched.tenant_state(event.tenant) is S.STUCK
-            ):
-                # As the engine does: what was queued for it before it got stuck is moot.
-                self.jobs.pop(event.tenant, None)
+                self.asked.pop(event.tenant, None)  # its epoch moved: the ask is moot
+            if isinstance(event, Released) and stuck and current:
                 self.asked.pop(event.tenant, None)
             if isinstance(event, TenantDetached) and event.tenant not in self.sched.tenant_ids():
                 self.jobs.pop(event.tenant, None)
@@ -206,36 +210,53 @@ class Run:
             self.feed(step)
 
     def answer(self, tenant: str, *, ok: bool) -> list[Event]:
-        """The world carries out ``tenant``'s oldest job; what the core hears of it."""
+        """The world carries out ``tenant``'s oldest job; what the core hears of it.
+
+        As the engine does, a job asked in an epoch the tenant has left is moot: it
+        is dropped, never carried out (a converge reads what is wanted as it runs).
+        """
         job = self.jobs[tenant].pop(0)
+        e = job.epoch
+        if not isinstance(job, Converge) and e != self.sched.epoch(tenant):
+            if isinstance(job, Retry | Release):
+                self.asked.pop(tenant, None)
+            return []
         match job:
             case Gate():
                 if ok:
                     self.frozen.add(tenant)
-                    return [Gated(tenant)]
-                return [TenantFaulted(tenant, "gate", "the freeze timed out", contained=False)]
+                    return [Gated(tenant, epoch=e)]
+                why = "the freeze timed out"
+                return [TenantFaulted(tenant, "gate", why, contained=False, epoch=e)]
             case Ungate():
                 if ok or tenant not in self.frozen:  # nothing to thaw cannot fail
                     self.frozen.discard(tenant)
-                    return [Ungated(tenant)]
-                return [TenantFaulted(tenant, "ungate", "cgroup.freeze refused", contained=True)]
+                    return [Ungated(tenant, epoch=e)]
+                why = "cgroup.freeze refused"
+                return [TenantFaulted(tenant, "ungate", why, contained=True, epoch=e)]
             case Retry():
                 self.asked.pop(tenant, None)
-                if ok:
-                    self.frozen.add(tenant)
-                    return [Mended(tenant, Residency.RESIDENT)]
                 self.frozen.add(tenant)
-                return [TenantFaulted(tenant, "retry", "still out of step")]
+                if ok:
+                    return [Mended(tenant, Residency.RESIDENT, epoch=e)]
+                return [TenantFaulted(tenant, "retry", "still out of step", epoch=e)]
             case Release():
                 self.asked.pop(tenant, None)
                 if ok:
                     self.frozen.discard(tenant)
-                    return [Released(tenant, complete=True)]
-                return [
-                    Released(
-                        tenant, False, "pid 7: unlock refused", contained=tenant in self.frozen
-                    )
-                ]
+                    return [Released(tenant, complete=True, epoch=e)]
+                held = tenant in self.frozen
+                why = "pid 7: unlock refused"
+                return [Released(tenant, False, why, contained=held, epoch=e)]
+            case Converge():
+                want = self.sched.want(tenant)
+                if want is None:
+                    return []
+                (self.frozen.add if want.gated else self.frozen.discard)(tenant)
+                return [Converged(tenant, not want.gated, Residency.RESIDENT, epoch=want.epoch)]
+            case Fence():
+                self.frozen.add(tenant)
+                return [Converged(tenant, False, None, epoch=e)]
         return []  # swaps: this world's tenants use no memory that moves
 
     def trouble(self, trouble: Trouble) -> None:
@@ -245,18 +266,27 @@ class Run:
         if trouble.what == "stuck":
             # The shell fenced it (the freezer) before it said so: it does not run.
             self.frozen.add(tenant)
-            self.feed(TenantFaulted(tenant, "swap-out", "checkpoint hung", Residency.UNKNOWN))
+            epoch = self.sched.epoch(tenant) or 0
+            hung = TenantFaulted(
+                tenant, "swap-out", "checkpoint hung", Residency.UNKNOWN, epoch=epoch
+            )
+            self.feed(hung)
         elif trouble.what == "retry":
             self.feed(RetryAsked(tenant))
         else:
             self.feed(ReleaseAsked(tenant))
 
-    def note(self, event: Event) -> None:
-        """What the core should believe gated once ``event`` is in (a fault: see ``feed``)."""
+    def note(self, event: Event, stuck: bool) -> None:
+        """What the core should believe gated once ``event`` (of the epoch now) is in.
+
+        (A fault: see ``feed``.)
+        """
         if isinstance(event, Mended):
             self.gated.add(event.tenant)
         elif isinstance(event, Released) and event.complete:
             self.gated.discard(event.tenant)
+        elif isinstance(event, Converged) and stuck:
+            (self.gated.discard if event.runs else self.gated.add)(event.tenant)
 
     # ---- checking ------------------------------------------------------------
 
@@ -289,6 +319,8 @@ class Run:
                 assert self.asked.get(action.tenant) is None, f"twice {action}"
                 assert t.state is S.STUCK, action
                 self.asked[action.tenant] = type(action)
+            elif isinstance(action, Converge | Fence):
+                pass  # asked after a fault, or an answer of an old epoch: any time
             else:  # swaps: only of gated tenants that are not stuck
                 assert t.state is not S.STUCK and t.gated, action
         assert self.gated == {t.tenant for t in view.tenants if t.gated}, (event, actions)

@@ -6,7 +6,10 @@ import pytest
 
 from kiwid.core.clock import FakeClock
 from kiwid.core.events import (
+    Action,
     ActivitySeen,
+    Converge,
+    Event,
     FootprintSeen,
     Gate,
     Gated,
@@ -52,11 +55,21 @@ class Harness:
             out += actions
             for a in actions:
                 if isinstance(a, Gate):
-                    todo.append(Gated(a.tenant))
+                    todo.append(Gated(a.tenant, epoch=a.epoch))
                 elif isinstance(a, Ungate) and a.tenant not in self.slow_unlock:
-                    todo.append(Ungated(a.tenant))
+                    todo.append(Ungated(a.tenant, epoch=a.epoch))
         self.actions.extend(out)
         return out
+
+    def epoch(self, name: str) -> int:
+        """The tenant's epoch now (what a result of a job asked now echoes)."""
+        epoch = self.sched.epoch(name)
+        assert epoch is not None, name
+        return epoch
+
+    def handle(self, event: Event) -> list[Action]:
+        """Hand ``event`` to the scheduler alone (nothing carried out)."""
+        return self.sched.handle(event, self.clock.now())
 
     def attach(self, *names: str, gpus: tuple[str, ...] = ("0",)) -> None:
         for name in names:
@@ -158,7 +171,7 @@ def test_a_holder_whose_unlock_is_slow_is_not_idle_before_it_could_run() -> None
     h.advance(20)  # b's unlock has not returned: b shows no work, as it cannot run
     assert h.state("b") is S.HOLDER, "idle before its unlock returned"
     assert h.actions[-1] == Ungate("b"), "a let go while b's unlock may still return"
-    h.do(Ungated("b"))  # it runs from now: its window to show work starts here
+    h.do(Ungated("b", epoch=h.epoch("b")))  # it runs from now: its window starts here
     h.advance(4.9)
     assert h.state("b") is S.HOLDER
     h.advance(0.1)
@@ -173,7 +186,7 @@ def test_a_holder_whose_unlock_is_slow_gets_its_whole_quantum_once_it_runs() -> 
     assert h.state("b") is S.HOLDER
     h.advance(45, keep_active=("a",))  # past its quantum: its unlock is still out
     assert h.state("b") is S.HOLDER and h.actions[-1] == Ungate("b")
-    h.do(Ungated("b"))
+    h.do(Ungated("b", epoch=h.epoch("b")))
     h.advance(29.5, keep_active=("a", "b"))  # its quantum counts from its unlock
     assert h.state("b") is S.HOLDER
     h.advance(0.5, keep_active=("a", "b"))
@@ -185,21 +198,35 @@ def test_a_gate_answered_after_an_operators_release_is_old_news() -> None:
     # The engine's property test found it: a stuck tenant whose gate did not take
     # has it tried again every TQ; the operator released it while that gate ran, and
     # the gate's failure, coming after, made the scheduler fail ("no transition from
-    # released"): kiwid stopped.
+    # released"): kiwid stopped. Its answer is of an epoch the release left.
     h = Harness()
     h.attach("a", "b")
     h.active("a", "b")
     assert h.state("b") is S.WAITING
-    now = h.clock.now
-    h.sched.handle(TenantFaulted("b", "swap-out", "checkpoint hung", contained=False), now())
+    h.handle(hung_swap_out(h))
     h.clock.advance(30)
-    assert Gate("b") in h.sched.handle(Tick(), now())  # its gate, tried again
-    assert h.sched.handle(ReleaseAsked("b"), now()) == [Release("b")]
-    h.sched.handle(Released("b", complete=True), now())
+    gate = asked(h.handle(Tick()), Gate("b"))  # its gate, tried again
+    release = h.handle(ReleaseAsked("b"))
+    assert release == [Release("b")] and release[0].epoch != gate.epoch
+    h.handle(Released("b", complete=True, epoch=release[0].epoch))
     assert h.state("b") is S.RELEASED
-    late = TenantFaulted("b", "gate", "the freezer timed out; no fence", contained=False)
-    assert h.sched.handle(late, now()) == []
+    late = TenantFaulted(
+        "b", "gate", "the freezer timed out; no fence", contained=False, epoch=gate.epoch
+    )
+    assert h.handle(late) == [Converge("b")]  # old news: a converge reads the truth
     assert h.state("b") is S.RELEASED and not h.sched.gated("b")
+
+
+def hung_swap_out(h: Harness) -> TenantFaulted:
+    """b's checkpoint failed half-way and left it free to run (at its epoch now)."""
+    return TenantFaulted("b", "swap-out", "checkpoint hung", contained=False, epoch=h.epoch("b"))
+
+
+def asked(actions: list[Action], wanted: Action) -> Action:
+    """The action among ``actions`` equal to ``wanted`` (with its epoch)."""
+    found = next((a for a in actions if a == wanted), None)
+    assert found is not None, f"{wanted} not in {actions}"
+    return found
 
 
 def test_a_stuck_tenant_being_released_has_no_gate_tried_again() -> None:
@@ -210,83 +237,88 @@ def test_a_stuck_tenant_being_released_has_no_gate_tried_again() -> None:
     h = Harness()
     h.attach("a", "b")
     h.active("a", "b")
-    now = h.clock.now
-    h.sched.handle(TenantFaulted("b", "swap-out", "checkpoint hung", contained=False), now())
-    assert h.sched.handle(ReleaseAsked("b"), now()) == [Release("b")]
+    h.handle(hung_swap_out(h))
+    release = h.handle(ReleaseAsked("b"))
+    assert release == [Release("b")]
     no_gate_of_b_for_three_tqs(h)
     deadline = h.sched.next_deadline()
-    assert deadline is None or deadline > now(), "a timer that is due and does nothing"
-    h.sched.handle(Released("b", complete=True), now())
+    assert deadline is None or deadline > h.clock.now(), "a timer that is due and does nothing"
+    h.handle(Released("b", complete=True, epoch=release[0].epoch))
     assert h.state("b") is S.RELEASED and not h.sched.gated("b")
 
 
 def no_gate_of_b_for_three_tqs(h: Harness) -> None:
     for _ in range(3):  # its gate would be tried again every TQ
         h.clock.advance(30)
-        assert Gate("b") not in h.sched.handle(Tick(), h.clock.now()), "gate asked in a release"
+        assert Gate("b") not in h.handle(Tick()), "gate asked in a release"
 
 
-def b_loose_with_its_gate_asked_again() -> Harness:
+def b_loose_with_its_gate_asked_again() -> tuple[Harness, Action]:
     """a holds; b is stuck, free to run, and its gate (tried again) is asked, not answered."""
     h = Harness()
     h.attach("a", "b", "c")
     h.active("a", "b", "c")
-    now = h.clock.now
-    h.sched.handle(TenantFaulted("b", "swap-out", "checkpoint hung", contained=False), now())
+    h.handle(hung_swap_out(h))
     h.clock.advance(30)
-    assert Gate("b") in h.sched.handle(Tick(), now())  # its gate, tried again
-    return h
+    return h, asked(h.handle(Tick()), Gate("b"))  # its gate, tried again
 
 
 def test_a_gate_that_takes_while_a_release_waits_its_turn_mends_nothing() -> None:
     # A review found it: the gate tried again was in flight when the operator asked
     # the release; it took first, and mended the tenant (waiting, gated, the others
     # let go beside it); then the release unlocked it, and its answer was ignored
-    # (not stuck): b ran unseen beside the next holder.
-    h = b_loose_with_its_gate_asked_again()
-    now = h.clock.now
-    assert h.sched.handle(ReleaseAsked("b"), now()) == [Release("b")]
-    h.sched.handle(Gated("b"), now())  # the gate asked before the release
+    # (not stuck): b ran unseen beside the next holder. The release moved b's epoch:
+    # the gate's answer is old news.
+    h, gate = b_loose_with_its_gate_asked_again()
+    release = h.handle(ReleaseAsked("b"))
+    assert release == [Release("b")]
+    assert h.handle(Gated("b", epoch=gate.epoch)) == [Converge("b")]
     assert h.state("b") is S.STUCK, "mended though a release is under way"
-    h.sched.handle(Released("b", complete=True), now())
+    h.handle(Released("b", complete=True, epoch=release[0].epoch))
     assert h.state("b") is S.RELEASED and not h.sched.gated("b")
 
 
-def test_a_fault_while_a_release_runs_asks_nothing_more_of_the_tenant() -> None:
-    # A fault (the gate asked before the release failed, or ran past its deadline)
+def test_a_fault_of_before_a_release_asks_nothing_more_of_the_tenant() -> None:
+    # A fault of the gate asked before the release (it failed, or returned late)
     # ended the release's "under way": a TQ later the gate was asked again, behind
     # the release; an operator's retry or a second release was taken meanwhile.
-    h = b_loose_with_its_gate_asked_again()
-    now = h.clock.now
-    h.sched.handle(ReleaseAsked("b"), now())
-    late = TenantFaulted("b", "gate", "its gate ran past its deadline", contained=False)
-    h.sched.handle(late, now())
+    h, gate = b_loose_with_its_gate_asked_again()
+    release = h.handle(ReleaseAsked("b"))
+    late = TenantFaulted(
+        "b", "gate", "its gate ran past its deadline", contained=False, epoch=gate.epoch
+    )
+    h.handle(late)
     assert h.state("b") is S.STUCK
     no_gate_of_b_for_three_tqs(h)
-    assert h.sched.handle(RetryAsked("b"), now()) == []
-    assert h.sched.handle(ReleaseAsked("b"), now()) == []
-    h.sched.handle(Released("b", complete=True), now())
+    assert h.handle(RetryAsked("b")) == []
+    assert h.handle(ReleaseAsked("b")) == []
+    h.handle(Released("b", complete=True, epoch=release[0].epoch))
     assert h.state("b") is S.RELEASED and not h.sched.gated("b")
 
 
 def test_a_release_that_fails_ends_its_turn_and_another_may_be_asked() -> None:
-    h = b_loose_with_its_gate_asked_again()
-    now = h.clock.now
-    h.sched.handle(ReleaseAsked("b"), now())
-    h.sched.handle(TenantFaulted("b", "release", "unlock refused", contained=False), now())
-    assert h.sched.handle(ReleaseAsked("b"), now()) == [Release("b")]  # its answer came
+    h, _ = b_loose_with_its_gate_asked_again()
+    release = h.handle(ReleaseAsked("b"))
+    refused = TenantFaulted(
+        "b", "release", "unlock refused", contained=False, epoch=release[0].epoch
+    )
+    h.handle(refused)
+    assert h.handle(ReleaseAsked("b")) == [Release("b")]  # its answer came
 
 
-def test_a_fault_told_again_or_late_ends_no_release_under_way() -> None:
-    # A fence's telling of an earlier release's fault, or that release returning late,
-    # is not the answer of the release under way.
-    h = b_loose_with_its_gate_asked_again()
-    now = h.clock.now
-    h.sched.handle(ReleaseAsked("b"), now())
-    told = TenantFaulted("b", "release", "an earlier release, late", contained=False, answers=False)
-    h.sched.handle(told, now())
-    no_gate_of_b_for_three_tqs(h)
-    assert h.sched.handle(ReleaseAsked("b"), now()) == []
+def test_a_fault_of_the_epoch_now_ends_the_release_under_way() -> None:
+    # A fault at the tenant's epoch now (the release's own, or one beside it, as a
+    # follow's) moves the epoch on: the release's answer, when it comes, is old
+    # news, so the operator may ask again.
+    h, _ = b_loose_with_its_gate_asked_again()
+    release = h.handle(ReleaseAsked("b"))
+    beside = TenantFaulted(
+        "b", "gate", "its new process could not be locked", contained=False, epoch=h.epoch("b")
+    )
+    h.handle(beside)
+    assert h.handle(ReleaseAsked("b")) == [Release("b")]
+    assert h.handle(Released("b", complete=True, epoch=release[0].epoch)) == [Converge("b")]
+    assert h.state("b") is S.STUCK
 
 
 def test_a_release_that_fails_has_the_gate_tried_again() -> None:
@@ -295,15 +327,17 @@ def test_a_release_that_fails_has_the_gate_tried_again() -> None:
     h = Harness()
     h.attach("a", "b")
     h.active("a", "b")
-    now = h.clock.now
-    h.sched.handle(TenantFaulted("b", "swap-out", "checkpoint hung", contained=False), now())
-    h.sched.handle(ReleaseAsked("b"), now())
+    h.handle(hung_swap_out(h))
+    release = h.handle(ReleaseAsked("b"))
     h.clock.advance(30)
-    h.sched.handle(Tick(), now())
-    h.sched.handle(Released("b", complete=False, note="thaw failed", contained=False), now())
+    h.handle(Tick())
+    failed = Released(
+        "b", complete=False, note="thaw failed", contained=False, epoch=release[0].epoch
+    )
+    h.handle(failed)
     assert h.state("b") is S.STUCK
     h.clock.advance(30)
-    assert Gate("b") in h.sched.handle(Tick(), now())
+    assert Gate("b") in h.handle(Tick())
 
 
 def test_a_gate_that_takes_does_not_mend_a_tenant_whose_memory_is_nowhere_known() -> None:
@@ -314,12 +348,13 @@ def test_a_gate_that_takes_does_not_mend_a_tenant_whose_memory_is_nowhere_known(
     h = Harness()
     h.attach("a", "b")
     h.active("a", "b")
-    now = h.clock.now
-    hung = TenantFaulted("b", "swap-out", "hung", Residency.UNKNOWN, contained=False)
-    h.sched.handle(hung, now())
+    hung = TenantFaulted(
+        "b", "swap-out", "hung", Residency.UNKNOWN, contained=False, epoch=h.epoch("b")
+    )
+    h.handle(hung)
     h.clock.advance(30)
-    assert Gate("b") in h.sched.handle(Tick(), now())  # its gate, tried again
-    h.sched.handle(Gated("b"), now())
+    gate = asked(h.handle(Tick()), Gate("b"))  # its gate, tried again
+    h.handle(Gated("b", epoch=gate.epoch))
     assert h.state("b") is S.STUCK and h.sched.gated("b")
 
 

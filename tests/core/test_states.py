@@ -30,6 +30,7 @@ def test_only_waiting_is_reached_by_gating_triggers() -> None:
         Trigger.GATING_STARTED,
         Trigger.SWAPPED_OUT,  # gated to be swapped out
         Trigger.SWAP_IN_FAILED,  # never let go: its memory is still in host RAM
+        Trigger.PASSED_OVER,  # never let go: its memory is still moving
         Trigger.ADOPTED,  # a previous kiwid gated it
         Trigger.GATE_MENDED,  # a stuck tenant's gate took when tried again
         Trigger.RETRIED,  # a stuck tenant mended: gated, it waits for its turn

@@ -68,18 +68,19 @@ class Card:
             out += actions
             for action in actions:
                 if isinstance(action, Gate):
-                    todo.append(Gated(action.tenant))
+                    todo.append(Gated(action.tenant, epoch=action.epoch))
                 if isinstance(action, Ungate):
-                    todo.append(Ungated(action.tenant))
+                    todo.append(Ungated(action.tenant, epoch=action.epoch))
                 if isinstance(action, SwapOut | SwapIn):
                     direction = "out" if isinstance(action, SwapOut) else "in"
                     ok = action.tenant not in self.fail
                     self.fail.discard(action.tenant)
                     size = sum(self.sched.peak(action.tenant).values())
                     moved = size if ok else 0
+                    seconds = size / self.rates[direction]
                     todo.append(
                         SwapFinished(
-                            action.tenant, direction, ok, moved, size / self.rates[direction]
+                            action.tenant, direction, ok, moved, seconds, epoch=action.epoch
                         )
                     )
         return out
@@ -217,7 +218,11 @@ def test_swap_results_add_up_in_the_ledger() -> None:
     assert (ledger.swapped_out_bytes, ledger.swapped_in_bytes) == (10 * GiB, 10 * GiB)
     assert ledger.swap_s == 10 / 2 + 10 / 5
     # A report nobody asked for (a stale one) changes nothing.
-    card.do(SwapFinished("b", "in", ok=True, moved_bytes=10 * GiB, seconds=2.0))
+    card.do(
+        SwapFinished(
+            "b", "in", ok=True, moved_bytes=10 * GiB, seconds=2.0, epoch=card.sched.epoch("b") or 0
+        )
+    )
     assert card.sched.ledger("b", card.clock.now()) == ledger
 
 
@@ -280,23 +285,31 @@ def test_a_holder_whose_memory_is_moving_starts_its_quantum_when_let_go() -> Non
     card.clock.advance(30)
     # b never ran: it gets the card to itself, so a's memory leaves first. Nothing
     # else happens until the shell reports the swap-out.
-    out = card.sched.handle(Tick(), card.clock.now())
+    asked = card.clock.now()
+    out = card.sched.handle(Tick(), asked)
     assert out == [Gate("a"), SwapOut("a")]
-    assert card.sched.handle(Gated("a"), card.clock.now()) == []  # the freeze took
+    gate = out[0]
+    assert card.sched.handle(Gated("a", epoch=gate.epoch), asked) == []  # the freeze took
+    # Only a's move is timed: twice its size at the checkpoint rate seen so far (b's),
+    # and a second; past it, the move is overdue.
+    expected = asked + 2 * 40 * GiB / card.rates["out"] + 1
+    assert card.sched.next_deadline() == pytest.approx(expected)
     for _ in range(20):  # 20 s of swapping: b shows no activity, yet is not released
         card.clock.advance(1)
         assert card.sched.handle(Tick(), card.clock.now()) == []
         card.sched.handle(ActivitySeen("a"), card.clock.now())  # gated: ignored
     assert card.holder() == "b"
-    assert card.sched.next_deadline() is None  # nothing to time until it runs
-    done = SwapFinished("a", "out", ok=True, moved_bytes=40 * GiB, seconds=20)
-    assert card.sched.handle(done, card.clock.now()) == [SwapIn("b")]
+    done = SwapFinished("a", "out", ok=True, moved_bytes=40 * GiB, seconds=20, epoch=out[1].epoch)
+    restore = card.sched.handle(done, card.clock.now())
+    assert restore == [SwapIn("b")]
     card.clock.advance(7)
-    back = SwapFinished("b", "in", ok=True, moved_bytes=40 * GiB, seconds=7)
-    assert card.sched.handle(back, card.clock.now()) == [Ungate("b")]
+    back = SwapFinished("b", "in", ok=True, moved_bytes=40 * GiB, seconds=7, epoch=restore[0].epoch)
+    let_go = card.sched.handle(back, card.clock.now())
+    assert let_go == [Ungate("b")]
     pending = card.sched.next_deadline()  # its unlock is under way: it cannot go idle
     assert pending is not None and pending > card.clock.now() + card.policy.idle_release_s
-    assert card.sched.handle(Ungated("b"), card.clock.now()) == []  # the unlock took
+    ungated = Ungated("b", epoch=let_go[0].epoch)
+    assert card.sched.handle(ungated, card.clock.now()) == []  # the unlock took
     deadline = card.sched.next_deadline()
     assert deadline is not None
     # Its first idle window (from its unlock's answer) and its quantum count from now.

@@ -50,6 +50,7 @@ class Swap:
     nbytes: int
     started: float
     ends: float
+    epoch: int = 0
 
 
 @dataclass
@@ -108,26 +109,27 @@ class TimedCard:
     def do(self, event: Event) -> None:
         """Hand ``event`` to the scheduler and carry out what it asks for."""
         now = self.clock.now()
-        gated: list[str] = []
-        ungated: list[str] = []
+        gated: list[Gate] = []
+        ungated: list[Ungate] = []
         for action in self.sched.handle(event, now):
             self.log.append((now, action))
             match action:
                 case Gate(tenant=t):
                     self.running.discard(t)
-                    gated.append(t)
+                    gated.append(action)
                 case Ungate(tenant=t):
                     self.running.add(t)
-                    ungated.append(t)
+                    ungated.append(action)
                     if self.on_ungate is not None:
                         self.on_ungate(t)
                 case SwapOut(tenant=t) | SwapIn(tenant=t):
                     direction = "out" if isinstance(action, SwapOut) else "in"
-                    self.lanes[direction].append(Swap(t, direction, 0, math.inf, math.inf))
-        for t in gated:  # a gate takes at once here
-            self.do(Gated(t))
-        for t in ungated:  # and so does an ungate
-            self.do(Ungated(t))
+                    swap = Swap(t, direction, 0, math.inf, math.inf, action.epoch)
+                    self.lanes[direction].append(swap)
+        for gate in gated:  # a gate takes at once here
+            self.do(Gated(gate.tenant, epoch=gate.epoch))
+        for ungate in ungated:  # and so does an ungate
+            self.do(Ungated(ungate.tenant, epoch=ungate.epoch))
         self._start_swaps()
 
     def join(
@@ -230,11 +232,25 @@ class TimedCard:
             if swap.direction == "out" and swap.tenant in self.refuse:
                 self.on_card[swap.tenant] = swap.nbytes
                 why = "the driver cannot checkpoint it"
-                self.do(SwapFinished(swap.tenant, "out", False, 0, seconds, why, unswappable=True))
+                self.do(
+                    SwapFinished(
+                        swap.tenant,
+                        "out",
+                        False,
+                        0,
+                        seconds,
+                        why,
+                        unswappable=True,
+                        epoch=swap.epoch,
+                    )
+                )
                 continue
             if self.readings:
                 self.do(MemoryFreeSeen("0", self.free()))
-            self.do(SwapFinished(swap.tenant, swap.direction, True, swap.nbytes, seconds))
+            done = SwapFinished(
+                swap.tenant, swap.direction, True, swap.nbytes, seconds, epoch=swap.epoch
+            )
+            self.do(done)
             self._start_swaps()
 
     # ------------------------------------------------------------ reading the log

@@ -8,6 +8,7 @@ one or two plain lines.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,8 @@ def run(socket: str | Path, command: str, query: str) -> int:
 
     Returns:
         0 done (mended, back in the rotation, released), 1 not found, ambiguous,
-        still stuck, or still under way when kiwid answered.
+        still stuck, still under way when kiwid answered, or waiting behind a driver
+        call of the tenant that has not returned.
 
     Raises:
         DaemonUnreachable: kiwid does not answer (kiwictl exits 3).
@@ -75,9 +77,29 @@ def run(socket: str | Path, command: str, query: str) -> int:
     return EXIT_OK if ok else EXIT_INVALID
 
 
+def _contained(result: Mapping[str, Any]) -> bool:
+    reason = result.get("stuck_reason") or {}
+    return bool(reason.get("contained"))
+
+
 def outcome(command: str, result: Mapping[str, Any]) -> tuple[bool, list[str]]:
     """Whether it worked, and what to print (one or two lines)."""
     tid, state = result.get("tenant"), result.get("state")
+    behind = result.get("queued_behind")
+    if behind:
+        since = time.strftime("%H:%M:%S", time.localtime(float(behind.get("since_unix") or 0)))
+        return False, [
+            f"[WARNING] {tid}: the {command} waits behind its {behind.get('job')}, whose driver "
+            f"call has not returned since {since} ({float(behind.get('seconds') or 0):.0f} s); "
+            "it runs as soon as that call returns.",
+            f"[WARNING] Meanwhile {tid} stays stuck, "
+            + (
+                "held (locked, or fenced with the freezer)"
+                if _contained(result)
+                else "and may run: nobody else is let go on its GPUs"
+            )
+            + "; kiwictl status shows how it ends.",
+        ]
     if result.get("pending"):
         return False, [
             f"[WARNING] {tid}: the {command} is still under way after "

@@ -95,13 +95,16 @@ def _adopt(ctx: Context, record: GatedRecord) -> list[Event]:
         ctx.state.put(replace(record, swapped=None, swap_method=None))
         swapped = None
     events: list[Event] = [TenantAdopted(record.tenant, swapped)]
+    epoch = ctx.engine.scheduler.epoch(record.tenant) or 0  # (an adoption moves none)
     where = "its memory is in host RAM; " if swapped else ""
     log.info("Re-adopted %s: %sit waits for its turn", record.tenant, where)
     odd = placement.where is Residency.UNKNOWN or placement.runs
     if odd or (placement.where is Residency.HOST and not swapped):
         reason = f"a previous kiwid left it out of step with the driver: {placement.detail}"
         events.append(
-            TenantFaulted(record.tenant, "adopt", reason, placement.where, not placement.runs)
+            TenantFaulted(
+                record.tenant, "adopt", reason, placement.where, not placement.runs, epoch=epoch
+            )
         )
     elif record.fault is not None:
         fault = record.fault
@@ -114,6 +117,7 @@ def _adopt(ctx: Context, record: GatedRecord) -> list[Event]:
                 True,
                 fault.pid,
                 fault.answer,
+                epoch=epoch,
             )
         )
     return events

@@ -60,7 +60,15 @@ def effective(
         preempt_after_s=settings.scheduler.preempt_after,
         max_wait_s=settings.scheduler.max_wait or None,
         newcomer=Newcomer(settings.memory.newcomer),
+        link_bytes_per_s=_link(settings),
     )
+
+
+def _link(settings: Settings) -> tuple[float, float] | None:
+    """The swap rates (out, in) the simulated GPU's link is set to (``None``: a real GPU)."""
+    if settings.gpu.backend != "sim":
+        return None
+    return settings.gpu.sim_swap_out_gbps * 1e9, settings.gpu.sim_swap_in_gbps * 1e9
 
 
 def policies(

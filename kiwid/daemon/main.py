@@ -192,6 +192,7 @@ def assemble(
         reserve_bytes=lambda: ctx.settings.memory.reserve_mib * gpu_policy.MIB,
         unswappable=checkpointable.why_not,
         checkpoint_failed=workloads.checkpoint_failed,
+        pid_bytes=engine.tracker.memory_of,
     )
     # gpu.driver_timeout as in force now: a failing gate is tried again that long,
     # and each job gets its deadline from it (read from the settings a reload swaps).

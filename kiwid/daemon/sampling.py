@@ -24,6 +24,7 @@ from kiwid.core.events import (
     TenantAttached,
     TenantDetached,
 )
+from kiwid.core.model import TenantState
 from kiwid.daemon.context import Context
 from kiwid.daemon.gating.gates import start_of
 from kiwid.daemon.gating.record import GatedRecord
@@ -48,20 +49,22 @@ def hidden_tenants(records: Mapping[str, GatedRecord]) -> dict[str, Hidden]:
     }
 
 
-def follow_new_processes(ctx: Context) -> None:
-    """Lock the processes a tenant gated by the CUDA lock started since its gate.
+def follow_gated(ctx: Context) -> None:
+    """Have every process of a tenant the CUDA lock gates looked at, each poll.
 
     The freezer holds a whole cgroup, new processes too; the lock holds only the
-    processes it was taken on, so each poll hands the new ones to the engine.
+    processes it was taken on, and one with no CUDA context then (held at admission,
+    before its first CUDA call) could not be locked. So each poll hands every
+    process of a lock-gated tenant to the engine's follow, which locks those the
+    driver says run (:mod:`kiwid.daemon.engine.side_jobs`).
     """
-    tenants = ctx.engine.tracker.tenants
-    for key, record in ctx.state.records.items():
-        info = tenants.get(key)
-        if record.method != "cuda-lock" or info is None or not ctx.engine.scheduler.gated(key):
-            continue
-        new = info.pids - set(record.pids)
-        if new:
-            ctx.engine.follow(key, {pid: start_of(pid) for pid in sorted(new)})
+    if ctx.engine.effects.gate.method != "cuda-lock":
+        return
+    scheduler = ctx.engine.scheduler
+    for key, info in ctx.engine.tracker.tenants.items():
+        held = scheduler.gated(key) or scheduler.tenant_state(key) is TenantState.STUCK
+        if info.pids and held:
+            ctx.engine.follow(key, {pid: start_of(pid) for pid in sorted(info.pids)})
 
 
 def poll(ctx: Context) -> list[Event]:
@@ -97,7 +100,7 @@ def poll(ctx: Context) -> list[Event]:
         samples.append(GpuSample(gid, processes, active))
     hidden = hidden_tenants(ctx.state.records)
     events = ctx.engine.tracker.observe(samples, ctx.clock(), lost, hidden)
-    follow_new_processes(ctx)
+    follow_gated(ctx)
     if health_changed:
         events.insert(0, ctx.configured())
     # A new tenant's policy before its first footprint and activity: a tenant whose

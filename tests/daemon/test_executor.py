@@ -1,6 +1,5 @@
-"""The executor's lanes: a checkpoint and a restore side by side, one tenant's moves in order.
-
-And a follow (a gated tenant's new processes) that moves memory: a checkpoint too.
+"""The executor's lanes: one serial lane per tenant (kept past a deadline), jobs beside it,
+the GPUs' swap lanes, and jobs of an epoch their tenant left, dropped.
 """
 
 from __future__ import annotations
@@ -8,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiwid.adapters.cudalock import CudaLock
-from kiwid.core.events import SwapIn, SwapOut
+from kiwid.core.events import Converge, Fence, Gate, SwapIn, SwapOut, Ungate
 from kiwid.daemon.engine.deadlines import deadlines
 from kiwid.daemon.engine.executor import Executor, Kind, Lanes
 from kiwid.daemon.gating.swap import CheckpointSwapper
@@ -65,25 +64,83 @@ def test_other_gpus_have_lanes_of_their_own() -> None:
     assert len(ex.startable()) == 2
 
 
-def test_a_follow_that_moves_memory_takes_the_checkpoint_lane_and_one_that_locks_does_not() -> None:
+def test_an_overdue_job_keeps_its_tenants_lane_and_leaves_its_gpus_swap_lane() -> None:
     ex = Executor()
-    ex.job(SwapOut("a"), "a", GPU0)
-    ex.job(Kind.FOLLOW, "b", GPU0, sizes={"0": 2**30})  # b is in host RAM: a checkpoint
-    ex.job(Kind.FOLLOW, "c", GPU0, pids={7: 0})  # c's memory is on the card: a lock
-    assert kinds(ex.startable()) == [("a", Kind.SWAP_OUT), ("c", Kind.FOLLOW)]
-    [a] = [j for j in ex.running if j.tenant == "a"]
-    ex.finish(a)
-    assert kinds(ex.startable()) == [("b", Kind.FOLLOW)]
+    out = ex.job(SwapOut("a", epoch=1), "a", GPU0)
+    ex.job(SwapIn("a", epoch=1), "a", GPU0)
+    ex.job(SwapOut("b", epoch=1), "b", GPU0)
+    assert ex.startable() == [out]
+    ex.start(out, now=0.0, due=10.0)
+    assert ex.overdue(9.0) == [] and ex.next_due() == 10.0
+    [(late, run)] = ex.overdue(10.0)
+    assert late is out and run.overdue and ex.next_due() is None
+    # a's restore waits for the hung checkpoint; b's checkpoint does not.
+    assert kinds(ex.startable()) == [("b", Kind.SWAP_OUT)]
+    assert ex.hung("a") == (out, 0.0)
+    ex.finish(out)  # the call returned at last
+    assert kinds(ex.startable()) == [("a", Kind.SWAP_IN)]
 
 
-def test_a_follow_that_moves_memory_has_its_checkpoint_in_its_deadline(
+def test_a_follow_runs_beside_its_tenants_checkpoint_and_a_fence_beside_anything() -> None:
+    ex = Executor()
+    ex.job(SwapOut("a", epoch=1), "a", GPU0)
+    ex.job(Kind.FOLLOW, "a", GPU0, epoch=1, pids={7: 0})
+    ex.job(Kind.FOLLOW, "a", GPU0, epoch=1, pids={7: 0})  # one at a time
+    ex.job(Fence("a", epoch=2), "a", GPU0)
+    assert kinds(ex.startable()) == [
+        ("a", Kind.SWAP_OUT),
+        ("a", Kind.FOLLOW),
+        ("a", Kind.FENCE),
+    ]
+
+
+def test_a_follow_never_runs_beside_or_after_a_job_that_may_let_its_tenant_go() -> None:
+    for kind in (Kind.UNGATE, Kind.CONVERGE, Kind.RELEASE):
+        ex = Executor()
+        first = ex.job(kind, "a", GPU0)
+        ex.job(Kind.FOLLOW, "a", GPU0, pids={7: 0})
+        assert ex.startable() == [first], kind  # the follow waits for it
+        ex.finish(first)
+        assert kinds(ex.startable()) == [("a", Kind.FOLLOW)]
+    # and a job that may let it go waits for a follow that runs
+    ex = Executor()
+    follow = ex.job(Kind.FOLLOW, "a", GPU0, pids={7: 0})
+    assert ex.startable() == [follow]
+    ex.job(Ungate("a"), "a", GPU0)
+    assert ex.startable() == []
+    ex.finish(follow)
+    assert kinds(ex.startable()) == [("a", Kind.UNGATE)]
+
+
+def test_a_job_of_an_epoch_its_tenant_left_is_dropped_when_its_turn_comes() -> None:
+    ex = Executor()
+    ex.job(Gate("a", epoch=1), "a", GPU0)
+    ex.job(Converge("a", epoch=1), "a", GPU0)  # never moot: it reads the want as it starts
+    ex.job(Ungate("a", epoch=2), "a", GPU0)
+    started = ex.startable(moot=lambda job: job.epoch != 2)
+    assert kinds(started) == [("a", Kind.CONVERGE)]
+    assert kinds(ex.queued) == [("a", Kind.UNGATE)]
+
+
+def test_an_ungate_waits_for_the_gates_asked_before_it_unless_they_hang() -> None:
+    ex = Executor()
+    gate = ex.job(Gate("a", epoch=1), "a", GPU0)
+    assert ex.startable() == [gate]
+    ex.start(gate, now=0.0, due=5.0)
+    ex.job(Ungate("b", epoch=1), "b", GPU0)
+    assert ex.startable() == []  # the previous holder is stopped first
+    ex.overdue(5.0)  # its gate hangs: a is stuck and fenced; b need not wait for ever
+    assert kinds(ex.startable()) == [("b", Kind.UNGATE)]
+
+
+def test_deadlines_give_a_restore_twice_its_size_at_the_slowest_rate(
     cuda_library: Path,
 ) -> None:
     swapper = CheckpointSwapper(CudaLock(str(cuda_library)))
     deadline_s = deadlines(lambda: 2.0, lambda: 1.0, swapper)
     ex = Executor()
-    locks = ex.job(Kind.FOLLOW, "c", GPU0, pids={7: 0})
-    moves = ex.job(Kind.FOLLOW, "b", GPU0, sizes={"0": 8 * 2**30})
-    assert deadline_s(locks, 0) == 2 * 2.0 + 1.0
-    checkpoint = swapper.expected_s(8 * 2**30, "out")
-    assert deadline_s(moves, moves.nbytes) == 2 * 2.0 + 1.0 + 2 * checkpoint
+    follow = ex.job(Kind.FOLLOW, "c", GPU0, pids={7: 0})
+    converge = ex.job(Kind.CONVERGE, "b", GPU0)
+    assert deadline_s(follow, 0) == 2 * 2.0 + 1.0
+    restore = swapper.expected_s(8 * 2**30, "in")
+    assert deadline_s(converge, 8 * 2**30) == 2 * 2.0 + 2 * restore

@@ -1,58 +1,88 @@
-"""A swapped-out tenant's new process: locked, then its memory joins the rest in host RAM.
+"""The follow, the converge and the fence, on the driver double.
 
-The follow job of the CUDA-lock gate, run as kiwid runs it (``gate_jobs.follow``),
-with kiwid's own lock and checkpoint adapters over the driver double, on real
-``cuda_tenant.py`` processes. The tenant's first two processes are in host RAM,
-as a swap-out left them; the third is the one it started since. Last, the
-engine's part: it asks for the move only where the scheduler has the tenant's
-memory in host RAM.
+Run as kiwid runs them (``side_jobs.follow``, ``converge_jobs.converge``,
+``side_jobs.fence``), with kiwid's own lock and checkpoint adapters over the
+stand-in libcuda, on real ``cuda_tenant.py`` processes in real cgroups:
+
+* a process with no CUDA context when its tenant is gated is not locked, nor
+  named in the record, and stays to lock: the follow locks it once it has one;
+* a process a swapped-out tenant started since is on the card: the follow says
+  so, and the converge moves it to host RAM with the rest, counting its bytes
+  (its footprint, or the tenant's size: never 0);
+* a converge drives the truth to what the core wants: a lock taken late undone, a
+  checkpoint that ended late brought back, a process that will not lock fenced;
+* a fence is written again even where the record says so already, so that an
+  unlock returning late does not thaw it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from kiwid.adapters.cgroups import CgroupLayout
 from kiwid.adapters.cudalock import CudaLock, ProcessState
-from kiwid.core.events import ActivitySeen, TenantAttached, TenantFaulted
-from kiwid.core.model import GpuPolicy, Mode, SwapMode
+from kiwid.core.events import Converged, Gated, MemorySplit, TenantFaulted, Want
+from kiwid.core.model import Fault
 from kiwid.core.residency import Residency
-from kiwid.daemon.engine import gate_jobs, swap_jobs
-from kiwid.daemon.engine.executor import Job, Kind, Lanes
-from kiwid.daemon.engine.tools import Tools
+from kiwid.daemon.engine import converge_jobs, gate_jobs, side_jobs
+from kiwid.daemon.engine.executor import Job, Kind
+from kiwid.daemon.engine.tools import SwapGuards, Tools
 from kiwid.daemon.gating.cudagate import CudaLockGate
+from kiwid.daemon.gating.gates import FreezeGate
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.gating.swap import CheckpointSwapper
 from kiwid.daemon.tenants.tracker import Identity, TenantInfo
 from tests.adapters.conftest import cuda_library, double
-from tests.daemon.test_engine_properties import Harness
-from tests.daemon.test_gate_faults_e2e import read_only
+from tests.helpers import wait_for
 from tests.stand_ins import cudadir
-from tests.stand_ins.cudadouble import DriverDouble, Fault
+from tests.stand_ins.cudadouble import CudaTenant, DriverDouble
+from tests.stand_ins.cudadouble import Fault as DriverFault
 
 __all__ = ["cuda_library", "double"]  # the fixtures, shared with the adapter tests
 
 GiB = 2**30
 SIZE = GiB // 2
-LOCKED, CHECKPOINTED = ProcessState.LOCKED, ProcessState.CHECKPOINTED
+RUNNING, LOCKED = ProcessState.RUNNING, ProcessState.LOCKED
+CHECKPOINTED = ProcessState.CHECKPOINTED
 KEY = "cgroup:/follow"
 GPU = frozenset({"0"})
-CUDA_ERROR_OUT_OF_MEMORY = 2
-Tenant = set[int]
-"""A tenant's processes, as the tracker lists them."""
+CUDA_ERROR_UNKNOWN = 999
+V2_ROOT = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified").is_dir() else None
+
+
+@pytest.fixture
+def cgroup() -> Iterator[Path]:
+    """A v2 cgroup of the test's own (the fence freezes it)."""
+    root = V2_ROOT or Path("/sys/fs/cgroup")
+    path = root / f"kiwi-test-follow-{id(object()):x}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            (path / "cgroup.freeze").write_text("0")
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 @pytest.fixture
 def tools(double: DriverDouble, tmp_path: Path) -> Tools:
     lock = CudaLock(str(double.library))
     (tmp_path / "state").mkdir()  # apart from the card's directory
-    state = StateFile(tmp_path / "state")
-    return Tools(CudaLockGate(lock, timeout_s=1), state, CheckpointSwapper(lock))
+    fence = FreezeGate(CgroupLayout.detect())
+    guards = SwapGuards(pid_bytes=lambda pid: {"0": SIZE})  # as NVML listed it
+    return Tools(
+        CudaLockGate(lock, timeout_s=1, fence=fence),
+        StateFile(tmp_path / "state"),
+        CheckpointSwapper(lock),
+        guards,
+    )
 
 
 def lock(tools: Tools) -> CudaLock:
@@ -60,154 +90,162 @@ def lock(tools: Tools) -> CudaLock:
     return tools.gate.lock
 
 
-def swapped_out(double: DriverDouble, tools: Tools, *faults: Fault) -> tuple[Tenant, int]:
-    """A tenant's two processes in host RAM, recorded; and a third it started since."""
-    tenant = double.spawn_tenant(SIZE, processes=2)
-    pids = set(tenant.pids())
-    record = tools.gate.prepare(TenantInfo(Identity(KEY, "cgroup", "/follow"), pids))
-    record = replace(record, swapped={"0": 2 * SIZE}, swap_method="checkpoint")
-    tools.state.put(record)
-    tools.gate.gate(record)
-    assert tools.swapper is not None
-    tools.swapper.swap_out(record)
-    assert {lock(tools).state(p) for p in pids} == {CHECKPOINTED}
-    third = double.spawn_tenant(SIZE, faults=faults).pid  # what matters: a pid of its own
-    return pids | {third}, third
+def info(cgroup: Path, *pids: int) -> TenantInfo:
+    root = V2_ROOT or Path("/sys/fs/cgroup")
+    ident = Identity(KEY, "cgroup", "/follow", f"/{cgroup.relative_to(root)}", None, True)
+    return TenantInfo(ident, set(pids), GPU)
 
 
-def job(pids: Tenant, third: int, *, memory: bool = True) -> Job:
-    info = TenantInfo(Identity(KEY, "cgroup", "/follow"), set(pids), frozenset({"0"}))
-    sizes = {"0": SIZE} if memory else {}
-    start = cudadir.start_ticks(third) or 0
-    return Job(0, KEY, Kind.FOLLOW, frozenset({"0"}), info, SIZE, sizes, {third: start})
+def job(kind: Kind, tenant: TenantInfo, want: Want | None = None, epoch: int = 7) -> Job:
+    pids = {pid: cudadir.start_ticks(pid) or 0 for pid in tenant.pids}
+    return Job(0, KEY, kind, GPU, epoch, tenant, pids=pids, want=want)
 
 
-def follow(tools: Tools, pids: Tenant, third: int, *, memory: bool = True) -> list:
-    return gate_jobs.follow(tools, job(pids, third, memory=memory), swap_jobs.follow_out)
+def want(*, gated: bool, memory: Residency | None, fault: Fault | None = None) -> Want:
+    return Want(KEY, 7, gated, memory, {"0": 3 * GiB}, fault)
 
 
 def record(tools: Tools) -> GatedRecord:
     return tools.state.records[KEY]
 
 
-def test_the_new_process_goes_to_host_ram_and_the_record_counts_it(
-    double: DriverDouble, tools: Tools
+def spawn(double: DriverDouble, cgroup: Path, **kw: object) -> CudaTenant:
+    return double.spawn_tenant(SIZE, cgroup=cgroup, **kw)  # type: ignore[arg-type]
+
+
+def test_a_process_with_no_context_yet_is_locked_once_it_has_one(
+    double: DriverDouble, tools: Tools, cgroup: Path, tmp_path: Path
 ) -> None:
-    tenant, third = swapped_out(double, tools)
-    assert follow(tools, tenant, third) == []
-    assert lock(tools).state(third) is CHECKPOINTED
-    assert third in record(tools).pids  # recover restores and unlocks it with the rest
-    assert record(tools).swapped == {"0": 3 * SIZE}
-    assert tools.swapper is not None
-    assert tools.swapper.placement(record(tools)).where is Residency.HOST
+    # A container held at admission, before its first CUDA call: the lock answers
+    # NOT_INITIALIZED. Its gate holds nothing of it then, and says so; the record
+    # names no process that is not locked. Each poll's follow looks again.
+    first_call = tmp_path / "first-cuda-call"
+    tenant = spawn(double, cgroup, context_when=first_call)
+    held = info(cgroup, tenant.pid)
+    assert gate_jobs.gate(tools, job(Kind.GATE, held)) == [Gated(KEY, epoch=7)]
+    assert record(tools).pids == (), "named, yet not locked"
+    assert double.state(tenant.pid) is None  # no context: nothing of it on the GPU
+    following = want(gated=True, memory=Residency.RESIDENT)
+    assert side_jobs.follow(tools, job(Kind.FOLLOW, held, following)) == []
+    first_call.touch()  # its first CUDA call: a context, RUNNING
+    wait_for(lambda: double.state(tenant.pid) == cudadir.RUNNING, 5, "its context")
+    assert side_jobs.follow(tools, job(Kind.FOLLOW, held, following)) == []
+    assert lock(tools).state(tenant.pid) is LOCKED
+    assert record(tools).pids == (tenant.pid,)  # recorded ahead of its lock
 
 
-def test_without_sizes_it_is_locked_only(double: DriverDouble, tools: Tools) -> None:
-    # The scheduler has the tenant's memory on the card: theirs stays there too.
-    tenant, third = swapped_out(double, tools)
-    assert follow(tools, tenant, third, memory=False) == []
-    assert lock(tools).state(third) is LOCKED
-    assert record(tools).swapped == {"0": 2 * SIZE}
+def swapped_out(double: DriverDouble, tools: Tools, cgroup: Path) -> tuple[TenantInfo, int]:
+    """A tenant's process in host RAM, recorded; and a second it started since, running."""
+    first = spawn(double, cgroup)
+    held = info(cgroup, first.pid)
+    gate_jobs.gate(tools, job(Kind.GATE, held))
+    ahead = tools.state.put(replace(record(tools), swapped={"0": SIZE}, swap_method="checkpoint"))
+    assert ahead is not None and tools.swapper is not None
+    tools.swapper.swap_out(ahead)
+    assert lock(tools).state(first.pid) is CHECKPOINTED
+    second = spawn(double, cgroup).pid
+    return info(cgroup, first.pid, second), second
 
 
-def test_a_checkpoint_that_fails_leaves_it_locked_on_the_card_and_the_tenant_waiting(
-    double: DriverDouble, tools: Tools
+def test_a_swapped_out_tenants_new_process_goes_to_host_ram_and_is_counted(
+    double: DriverDouble, tools: Tools, cgroup: Path
 ) -> None:
-    oom = Fault("checkpoint", "fail", CUDA_ERROR_OUT_OF_MEMORY, times=10, process=0)
-    tenant, third = swapped_out(double, tools, oom)
-    assert follow(tools, tenant, third) == []  # not stuck: its restore brings the rest
-    assert lock(tools).state(third) is LOCKED
-    assert record(tools).swapped == {"0": 2 * SIZE}, "its bytes were never moved"
-    assert third in record(tools).pids
+    held, second = swapped_out(double, tools, cgroup)
+    in_host = want(gated=True, memory=Residency.HOST)
+    split = side_jobs.follow(tools, job(Kind.FOLLOW, held, in_host))
+    assert split == [MemorySplit(KEY, (second,), epoch=7)]
+    assert lock(tools).state(second) is LOCKED  # locked at once, beside the lane
+    (found,) = converge_jobs.converge(tools, job(Kind.CONVERGE, held, in_host))
+    assert isinstance(found, Converged), found
+    assert (found.runs, found.memory) == (False, Residency.HOST)
+    assert found.host_bytes == {"0": 2 * SIZE}  # the core hears what moved
+    assert lock(tools).state(second) is CHECKPOINTED
+    assert record(tools).swapped == {"0": 2 * SIZE} and second in record(tools).pids
 
 
-def test_a_checkpoint_that_leaves_it_out_of_step_makes_the_tenant_stuck(
-    double: DriverDouble, tools: Tools
+def test_a_new_process_whose_footprint_nobody_says_counts_as_the_tenants_size(
+    double: DriverDouble, tools: Tools, cgroup: Path
 ) -> None:
-    # It fails, and leaves the process checkpointed for good (cuda-checkpoint issue
-    # 44's kind): memory where the call said it is not.
-    stuck = Fault("checkpoint", "stuck", times=10, process=0)
-    tenant, third = swapped_out(double, tools, stuck)
-    (fault,) = follow(tools, tenant, third)
-    assert isinstance(fault, TenantFaulted)
-    assert fault.operation == "swap-out" and fault.pid == third
-    assert not fault.answers, "no swap-out was asked for: it answers none"
-    assert record(tools).swapped == {"0": 3 * SIZE}, "kept: recover restores it"
-    double.clear(third, "checkpoint")
+    held, _ = swapped_out(double, tools, cgroup)
+    tools.guards = SwapGuards()  # the driver says no process's memory
+    in_host = want(gated=True, memory=Residency.HOST)
+    side_jobs.follow(tools, job(Kind.FOLLOW, held, in_host))
+    (found,) = converge_jobs.converge(tools, job(Kind.CONVERGE, held, in_host))
+    assert isinstance(found, Converged) and found.host_bytes == {"0": SIZE + 3 * GiB}
+    assert record(tools).swapped == {"0": SIZE + 3 * GiB}, "never 0: a restore needs room"
 
 
-def test_a_follow_given_up_on_during_its_lock_moves_nothing(
-    double: DriverDouble, tools: Tools
+def test_a_converge_undoes_a_lock_taken_late_on_a_tenant_that_runs(
+    double: DriverDouble, tools: Tools, cgroup: Path
 ) -> None:
-    tenant, third = swapped_out(double, tools)
-    given_up = threading.Event()
-    real_lock = lock(tools).lock
-
-    def lock_then_give_up(pid: int, timeout_ms: int) -> None:
-        real_lock(pid, timeout_ms)
-        given_up.set()  # the deadline passes while the lock runs
-
-    lock(tools).lock = lock_then_give_up  # type: ignore[method-assign]
-    following = replace(job(tenant, third), given_up=given_up)
-    assert gate_jobs.follow(tools, following, swap_jobs.follow_out) == []
-    lock(tools).lock = real_lock  # type: ignore[method-assign]
-    assert lock(tools).state(third) is LOCKED  # kiwid deals with the tenant since
-    assert record(tools).swapped == {"0": 2 * SIZE}
+    tenant = spawn(double, cgroup)
+    held = info(cgroup, tenant.pid)
+    gate_jobs.gate(tools, job(Kind.GATE, held))  # a gate whose call returned late
+    runs = want(gated=False, memory=Residency.RESIDENT)
+    (found,) = converge_jobs.converge(tools, job(Kind.CONVERGE, held, runs))
+    assert found == Converged(KEY, True, Residency.RESIDENT, note=found.note, epoch=7)
+    assert lock(tools).state(tenant.pid) is RUNNING
+    assert KEY not in tools.state.records
 
 
-def test_a_record_changed_meanwhile_is_not_written_over(double: DriverDouble, tools: Tools) -> None:
-    tenant, third = swapped_out(double, tools)
-    stale = record(tools)
-    tools.state.put(replace(stale, fenced=True))  # a fence, say, since the job read it
-    lock(tools).lock(third, 1000)
-    assert (
-        swap_jobs.follow_out(tools, job(tenant, third), stale.with_pids({third: 0}), (third,)) == []
-    )
-    assert lock(tools).state(third) is LOCKED
-    assert record(tools) == replace(stale, fenced=True)
-    lock(tools).unlock(third)
-
-
-def test_a_state_file_that_cannot_be_written_moves_nothing(
-    double: DriverDouble, tools: Tools, tmp_path: Path
+def test_a_converge_brings_back_a_checkpoint_that_ended_after_its_tenant_was_let_go(
+    double: DriverDouble, tools: Tools, cgroup: Path
 ) -> None:
-    # Unrecorded, a checkpoint would leave memory in host RAM that neither a restart
-    # nor `kiwid recover` knows of: the new process stays on the card, locked.
-    tenant, third = swapped_out(double, tools)
-    real_lock = lock(tools).lock
-    with contextlib.ExitStack() as stack:
-
-        def lock_then_lose_the_state_dir(pid: int, timeout_ms: int) -> None:
-            real_lock(pid, timeout_ms)
-            stack.enter_context(read_only(tmp_path / "state"))  # /run turns read-only (or full)
-
-        lock(tools).lock = lock_then_lose_the_state_dir  # type: ignore[method-assign]
-        assert follow(tools, tenant, third) == []
-        lock(tools).lock = real_lock  # type: ignore[method-assign]
-        assert lock(tools).state(third) is LOCKED
-    assert record(tools).swapped == {"0": 2 * SIZE}
-    assert third in record(tools).pids
+    held, _ = swapped_out(double, tools, cgroup)
+    first = min(held.pids)
+    runs = want(gated=False, memory=Residency.RESIDENT)
+    (found,) = converge_jobs.converge(tools, job(Kind.CONVERGE, held, runs))
+    assert isinstance(found, Converged) and found.runs
+    assert lock(tools).state(first) is RUNNING  # restored, then unlocked
+    assert KEY not in tools.state.records
 
 
-@pytest.mark.parametrize("swap", [SwapMode.CHECKPOINT, SwapMode.NONE])
-def test_the_engine_moves_theirs_only_where_the_scheduler_has_the_tenant_in_host_ram(
-    swap: SwapMode,
+def test_a_converge_of_a_stuck_tenant_fences_what_will_not_lock_and_records_why(
+    double: DriverDouble, tools: Tools, cgroup: Path
 ) -> None:
-    policy = GpuPolicy(
-        tq_s=300, idle_release_s=300, mode=Mode.EXCLUSIVE, capacity_bytes=40 * GiB,
-        reserve_bytes=GiB, swap=swap,
-    )  # fmt: skip
-    h = Harness({"0": policy}, ["ok"], Lanes())
-    try:
-        for tenant in ("t0", "t1"):  # t0 holds; t1 waits, gated (and swapped out)
-            h.feed(TenantAttached(tenant, GPU))
-            h.feed(ActivitySeen(tenant))
-            h.drain([0])
-        in_host = swap is SwapMode.CHECKPOINT
-        expected = Residency.HOST if in_host else Residency.RESIDENT
-        assert h.engine.scheduler.residency("t1") is expected
-        h.engine.follow("t1", {4242: 0})
-        (job,) = [j for j in h.runner.pending if j.kind is Kind.FOLLOW]
-        assert bool(job.sizes) is in_host
-    finally:
-        h.close()
+    refuse = DriverFault("lock", "fail", CUDA_ERROR_UNKNOWN, times=100)
+    tenant = spawn(double, cgroup, faults=(refuse,))
+    held = info(cgroup, tenant.pid)
+    why = Fault("gate", "its lock ran past its deadline", 0.0, False)
+    stuck = want(gated=True, memory=None, fault=why)
+    (found,) = converge_jobs.converge(tools, job(Kind.CONVERGE, held, stuck))
+    assert isinstance(found, Converged) and not found.runs, found
+    assert "fenced" in found.note
+    assert "frozen 1" in (cgroup / "cgroup.events").read_text()
+    assert record(tools).fenced and record(tools).fault is not None
+    assert record(tools).fault.reason == why.reason  # a restarted kiwid keeps it stuck
+    tools.gate.ungate(record(tools))  # what recover does: unlocks, thaws
+    assert "frozen 0" in (cgroup / "cgroup.events").read_text()
+
+
+def test_a_gated_tenant_found_running_is_a_fault_the_core_hears(
+    double: DriverDouble, tools: Tools, cgroup: Path
+) -> None:
+    refuse = DriverFault("lock", "fail", CUDA_ERROR_UNKNOWN, times=100)
+    tenant = spawn(double, cgroup, faults=(refuse,))
+    held = info(cgroup, tenant.pid)
+    tools.gate = CudaLockGate(lock(tools), timeout_s=1)  # and no freezer to fence it
+    gated = want(gated=True, memory=Residency.RESIDENT)
+    (fault,) = converge_jobs.converge(tools, job(Kind.CONVERGE, held, gated))
+    assert isinstance(fault, TenantFaulted) and not fault.contained, fault
+    assert fault.epoch == 7 and "runs though it is gated" in fault.reason
+
+
+def test_a_fence_written_again_is_not_thawed_by_an_unlock_that_read_it_before(
+    double: DriverDouble, tools: Tools, cgroup: Path
+) -> None:
+    tenant = spawn(double, cgroup)
+    held = info(cgroup, tenant.pid)
+    gate_jobs.gate(tools, job(Kind.GATE, held))
+    fence = job(Kind.FENCE, held, epoch=8)
+    (first,) = side_jobs.fence(tools, fence)
+    assert first == Converged(KEY, False, None, note=first.note, epoch=8)
+    read = record(tools)  # what an ungate reads as it starts; then its unlock hangs
+    assert read.fenced
+    side_jobs.fence(tools, fence)  # the call ran past its deadline: fenced again
+    assert record(tools).version == read.version + 1, "the same record, written again"
+    tools.gate.ungate(read, tools.state.unchanged)  # the hung unlock returns
+    assert lock(tools).state(tenant.pid) is RUNNING  # its unlock went through, late
+    assert "frozen 1" in (cgroup / "cgroup.events").read_text(), "the fence thawed"
+    tools.gate.ungate(record(tools), tools.state.unchanged)
+    assert "frozen 0" in (cgroup / "cgroup.events").read_text()

@@ -55,11 +55,13 @@ def test_a_lock_that_leaves_its_process_checkpointed_keeps_the_tenant_stuck_not_
     k.until(lambda: b.progress() > done, 20, "b to work again")
 
 
-def test_a_two_process_ungate_that_fails_half_way_is_fenced(
+def test_a_two_process_ungate_that_fails_half_way_is_held_again(
     start_kiwid, workdir: Path, card: Card
 ) -> None:
     # The first process unlocked, the second refused: the tenant was stuck as
-    # "contained" while its first process ran beside the next holder.
+    # "contained" while its first process ran beside the next holder. Now the
+    # converge that follows the fault finds it running and locks it again (or,
+    # should the lock fail, fences it with the freezer).
     double = card.double
     k, a = a_holds(start_kiwid, workdir, card)
     b = card.arrive("b", TENANT // 2, processes=2)
@@ -68,14 +70,16 @@ def test_a_two_process_ungate_that_fails_half_way_is_fenced(
     double.fault(second, "unlock", "fail", CUDA_ERROR_UNKNOWN, times=1000)
     key = card.key(b)
     k.until(lambda: k.tenant(key).get("state") == "stuck", 20, "b to be stuck")
-    reason = k.tenant(key)["stuck_reason"]
-    assert reason["operation"] == "ungate", reason
-    k.until(lambda: frozen(b.cgroup), 5, "b's cgroup fenced")
-    assert double.state(first) == cudadir.RUNNING  # unlocked: only the fence holds it
-    assert reason["contained"], reason
+
+    def held() -> bool:
+        runs = double.state(first) == cudadir.RUNNING and not frozen(b.cgroup)
+        return not runs and (k.tenant(key).get("stuck_reason") or {}).get("contained")
+
+    k.until(held, 10, "b held again: its first process locked (or fenced)")
+    assert k.tenant(key)["stuck_reason"]["operation"] == "ungate"
     stalled = b.progress()
     k.until(lambda: holder(k) == card.key(a), 10, "a to hold again")
-    time.sleep(1)  # a stretch of a's turn: b's unlocked process must not work in it
+    time.sleep(1)  # a stretch of a's turn: b's first process must not work in it
     assert b.progress() == stalled
     double.clear(second, "unlock")
     assert k.stop() == 0
@@ -104,13 +108,15 @@ def test_an_ungate_that_returns_after_its_deadline_keeps_the_fence_it_got_meanwh
     assert not frozen(b.cgroup), "b left frozen"
 
 
-def test_a_checkpoint_that_returns_after_the_operators_release_fences_nothing(
+def test_a_release_waits_behind_a_hung_checkpoint_and_then_brings_the_memory_back(
     start_kiwid, workdir: Path, card: Card
 ) -> None:
     # The checkpoint hung past its deadline; the operator released the tenant
-    # (restored, unlocked: it runs). Then the checkpoint returned, refused (the
-    # process ran), and its job fenced the tenant with the freezer: frozen while
-    # kiwid said it ran, and never seen working again, even after a retry.
+    # (restored, unlocked: it runs), beside the hung call. Then the checkpoint
+    # returned, refused (the process ran), and its job fenced the tenant: frozen
+    # while kiwid said it ran. Now a tenant's jobs run one at a time: the release
+    # waits behind the hung call and says so; once the call returns (and moved the
+    # memory out), the release brings it back and lets the tenant run.
     double = card.double
     k = start(start_kiwid, workdir, card)
     a = card.arrive("a")
@@ -123,10 +129,12 @@ def test_a_checkpoint_that_returns_after_the_operators_release_fences_nothing(
     key = card.key(a)
     k.until(lambda: k.tenant(key).get("state") == "stuck", 30, "a to be stuck")
     release = k.ctl("release", key)
-    assert release.returncode == 0, release.stdout + release.stderr
-    k.until(lambda: k.tenant(key).get("state") == "released", 10, "a released")
-    double.clear(a_pid, "checkpoint")  # the hung call returns
-    k.wait_log("that ran past its deadline returned", 20)
+    assert release.returncode == 1, release.stdout + release.stderr
+    assert "waits behind its swap-out" in release.stderr, release.stderr
+    assert k.tenant(key)["state"] == "stuck"
+    double.clear(a_pid, "checkpoint")  # the hung call returns (its memory went out)
+    k.until(lambda: k.tenant(key).get("state") == "released", 20, "a released")
+    assert double.state(a_pid) == cudadir.RUNNING, k.log_text()[-3000:]
     assert not frozen(a.cgroup), f"a fenced after its release\n{k.log_text()[-3000:]}"
     done = a.progress()
     k.until(lambda: a.progress() > done, 10, "a, released, to work")
@@ -163,13 +171,15 @@ def test_a_holder_whose_unlock_is_slow_is_not_taken_for_idle(
     assert double.state(b_pid) != cudadir.RUNNING
 
 
-def test_a_gate_that_returns_after_the_operators_release_locks_nothing(
+def test_a_release_behind_a_hung_gate_undoes_the_lock_it_took_when_it_returns(
     start_kiwid, workdir: Path, card: Card
 ) -> None:
     # The gate's state call hung past its deadline; kiwid fenced the tenant and the
     # operator released it (it ran, unrecorded). Then the call returned, and the
     # gate went on to lock the released tenant: locked with no record, so neither a
-    # stop nor `kiwid recover` ever unlocked it.
+    # stop nor `kiwid recover` ever unlocked it. Now the release waits behind the
+    # hung gate; the gate's lock, taken late, is recorded ahead like any, and the
+    # release undoes it.
     double = card.double
     # TQ 5 s: b's gate, stuck, is tried again only after the operator's release.
     k, _a = a_holds(start_kiwid, workdir, card, tq=5, timeout=1)
@@ -179,14 +189,14 @@ def test_a_gate_that_returns_after_the_operators_release_locks_nothing(
     k.until(lambda: records(workdir).get(key, {}).get("fenced"), 20, "b fenced")
     assert k.tenant(key)["state"] == "stuck"
     release = k.ctl("release", key)
-    assert release.returncode == 0, release.stdout + release.stderr
-    k.until(lambda: k.tenant(key).get("state") == "released", 10, "b released")
-    double.clear(b_pid, "state")  # the hung call returns
-    k.wait_log("ran past its deadline returned", 20)
+    assert release.returncode == 1 and "waits behind its gate" in release.stderr, release
+    double.clear(b_pid, "state")  # the hung call returns, and the gate locks b
+    k.until(lambda: k.tenant(key).get("state") == "released", 20, "b released")
     done = b.progress()
     k.until(lambda: b.progress() > done, 10, "b, released, to work")
     assert double.state(b_pid) == cudadir.RUNNING, k.log_text()[-3000:]
-    k.proc.kill()  # and should it have locked b, recovery must know it
+    assert not frozen(b.cgroup)
+    k.proc.kill()  # and should anything still hold b, recovery must know it
     k.proc.wait()
     out = recover(workdir, card)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -203,6 +213,8 @@ def test_a_release_that_runs_while_the_gate_comes_due_again_leaves_the_tenant_ru
     # second release ran while that gate came due: the gate, queued behind the
     # release, locked the tenant again once it was released. Locked, it made no
     # progress, and a retry put it "back in the rotation" where it never showed work.
+    # Now the converge that follows the failed release holds its first process
+    # again at once (no gate to come due), and the second release lets it run.
     double = card.double
     k, _a = a_holds(start_kiwid, workdir, card, tq=2, timeout=5)
     b = card.arrive("b", TENANT // 2, processes=2)
@@ -213,7 +225,7 @@ def test_a_release_that_runs_while_the_gate_comes_due_again_leaves_the_tenant_ru
     k.until(lambda: k.tenant(key).get("state") == "stuck", 30, "b to be stuck")
     failed = k.ctl("release", key)
     assert failed.returncode != 0, failed.stdout + failed.stderr
-    assert not k.tenant(key)["stuck_reason"]["contained"]  # its gate is due in a TQ
+    k.until(lambda: k.tenant(key)["stuck_reason"]["contained"], 10, "b held again")
     double.fault(second, "unlock", "hang", 3.0)  # (> TQ) the next unlock works, slowly
     release = k.ctl("release", key)
     assert release.returncode == 0, release.stdout + release.stderr

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 from kiwid.adapters.control import ControlError, request
 from kiwid.adapters.sim import SimBackend
 from kiwid.config import load_config
-from kiwid.daemon.gating.gates import GateError, never
+from kiwid.daemon.gating.gates import GateError
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.main import assemble
 from kiwid.daemon.tenants.identify import identify
@@ -36,10 +35,10 @@ class RefusingGate(ScriptedGate):
         super().__init__()
         self.refuse: set[str] = set()
 
-    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
+    def gate(self, record: GatedRecord) -> None:
         if record.tenant in self.refuse:
             raise GateError(f"{record.tenant}: the freeze did not take", answer="EBUSY")
-        super().gate(record, cancelled)
+        super().gate(record)
 
 
 def test_a_retry_of_a_tenant_whose_gate_did_not_take_tries_it_now(tmp_path: Path, sleepers) -> None:

@@ -26,7 +26,7 @@ from kiwid.adapters.sim import SimBackend
 from kiwid.config import load_config
 from kiwid.core.clock import FakeClock
 from kiwid.core.events import Gated
-from kiwid.daemon.gating.gates import never
+from kiwid.daemon.gating.gates import Guard, always
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.main import assemble
@@ -62,10 +62,10 @@ class ScriptedGate:
         with self._lock:
             self.calls.append((what, tenant))
 
-    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
+    def gate(self, record: GatedRecord) -> None:
         self._call("gate", record.tenant)
 
-    def ungate(self, record: GatedRecord) -> None:
+    def ungate(self, record: GatedRecord, guard: Guard = always) -> None:
         self._call("ungate", record.tenant)
 
     def forget(self, tenant: str) -> None:

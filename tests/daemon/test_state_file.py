@@ -82,18 +82,21 @@ def test_tidying_an_empty_state_keeps_a_record_written_since_the_caller_looked(
     assert not state.path.exists()
 
 
-def test_a_late_job_replaces_or_drops_only_the_record_it_read(tmp_path: Path) -> None:
-    """A job whose call returned after its deadline finds its tenant's record
-    changed since (fenced by kiwid, dropped at an operator's release): it must
-    neither overwrite nor drop what was written after it read."""
+def test_a_job_replaces_or_drops_only_the_version_it_read(tmp_path: Path) -> None:
+    """A job whose record changed since it read it (fenced beside its hung call) must
+    neither overwrite nor drop what was written after: every write bumps a version,
+    also one that writes the same record again (no ABA)."""
     state = StateFile(tmp_path / "state")
-    read = record("a")
-    state.put(read)
+    read = state.put(record("a"))
+    assert read is not None and read.version == 1
     fenced = GatedRecord("a", "cuda-lock", "/kiwi-test/a", None, (123,), fenced=True)
     state.put(fenced)  # written meanwhile
-    assert not state.drop("a", only=read)
-    assert not state.put(record("a"), only=read)
-    assert state.records["a"] == fenced
-    assert state.put(record("a"), only=fenced)
-    assert state.drop("a", only=record("a"))
+    assert not state.drop("a", expect=read.version)
+    assert state.put(record("a"), expect=read.version) is None
+    assert state.records["a"].fenced
+    again = state.put(record("a"), expect=2)  # the same content as first read: version 3
+    assert again is not None and again.version == 3
+    assert not state.drop("a", expect=read.version)
+    assert state.drop("a", expect=3)
     assert not state.records
+    assert StateFile(tmp_path / "state").load() == {}

@@ -46,8 +46,8 @@ class Card:
         while todo:
             actions = self.sched.handle(todo.pop(0), self.now)
             out += actions
-            todo += [Gated(a.tenant) for a in actions if isinstance(a, Gate)]
-            todo += [Ungated(a.tenant) for a in actions if isinstance(a, Ungate)]
+            todo += [Gated(a.tenant, epoch=a.epoch) for a in actions if isinstance(a, Gate)]
+            todo += [Ungated(a.tenant, epoch=a.epoch) for a in actions if isinstance(a, Ungate)]
             self.swaps += [a for a in actions if isinstance(a, SwapOut | SwapIn)]
         return out
 
@@ -76,7 +76,9 @@ def test_a_stuck_tenant_that_may_run_leaves_every_wait_on_its_gpu_unbounded() ->
     card.now += 31
     asked = card.sched.handle(Tick(), card.now)  # a's quantum is over: it is to be gated
     assert Gate("a") in asked
-    card.sched.handle(TenantFaulted("a", "gate", "the freeze timed out", contained=False), card.now)
+    gate = next(a for a in asked if a == Gate("a"))
+    failed = TenantFaulted("a", "gate", "the freeze timed out", contained=False, epoch=gate.epoch)
+    card.sched.handle(failed, card.now)
     view = card.sched.view(card.now)
     assert view.gpus[0].blocked_by == "a"
     waiters = card.waiters()
@@ -96,7 +98,7 @@ def test_a_restore_short_of_memory_nobody_kiwid_knows_holds_leaves_no_bound() ->
     card = Card(swap=SwapMode.CHECKPOINT, capacity_bytes=10 * GiB, reserve_bytes=GiB)
     card.burst("a", "b", "c", size=3 * GiB)
     for swap in list(card.swaps):  # b and c go to host RAM while a holds
-        card.do(SwapFinished(swap.tenant, "out", ok=True, moved_bytes=3 * GiB))
+        card.do(SwapFinished(swap.tenant, "out", ok=True, moved_bytes=3 * GiB, epoch=swap.epoch))
     card.swaps.clear()
     assert all(w["wait_bound_s"] is not None for w in card.waiters())
     # The driver says 3 GiB are free where kiwid counts 7: something else holds 4.
@@ -116,7 +118,10 @@ def test_a_restore_short_of_memory_nobody_kiwid_knows_holds_leaves_no_bound() ->
 def test_held_back_tenants_say_why_and_the_summary_names_the_stuck() -> None:
     card = Card()
     card.burst("a", "b")
-    card.do(TenantFaulted("b", "swap-in", "restore of pid 7 failed", pid=7, answer="E (1)"))
+    epoch = card.sched.epoch("b") or 0
+    card.do(
+        TenantFaulted("b", "swap-in", "restore of pid 7 failed", pid=7, answer="E (1)", epoch=epoch)
+    )
     view = card.sched.view(card.now)
     tenants = {t.tenant: t for t in view.tenants}
     assert view.gpus[0].stuck == ("b",)

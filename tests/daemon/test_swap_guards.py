@@ -71,7 +71,9 @@ def test_a_restore_waits_while_the_card_lacks_free_memory(tmp_path: Path, sleepe
     w = World(tmp_path, sleeper)
     try:
         out = w.do(SwapOut("t"))
-        assert out[-1] == SwapFinished("t", "out", True, 4 * GiB, out[-1].seconds)  # type: ignore[union-attr]
+        done = out[-1]
+        assert isinstance(done, SwapFinished)
+        assert done == SwapFinished("t", "out", True, 4 * GiB, done.seconds, epoch=done.epoch)
         assert out[0] == MemoryFreeSeen("0", 10 * GiB)  # a fresh reading after the swap
         w.backend.set_foreign(0, 6 * GiB)  # 4 GiB free: not 4 + 1 reserve
         refused = w.do(SwapIn("t"))

@@ -30,7 +30,9 @@ its own context and ``--memory``); ``--spawn-later S`` starts one more S seconds
 after the start, which writes its own entry, to see a gated tenant's newcomer
 locked too (the first process forks it from its loop, so it comes however the
 first one is gated). Children
-die with the first process. ``--fault N:OP:LINE`` gives process N (0 the first,
+die with the first process. ``--context-when PATH`` holds the first process's
+context (and its children's) back until PATH exists: a container that makes its
+first CUDA call after it was held. ``--fault N:OP:LINE`` gives process N (0 the first,
 then the children as they start) a fault from its start: written with its entry,
 under the card's lock, so that no one can call the driver on it before.
 """
@@ -92,13 +94,20 @@ def work(
     seconds: float | None,
     create: Callable[[], None],
     on_iteration: Callable[[], None] = lambda: None,
+    context_when: Path | None = None,
 ) -> None:
-    """``create`` the context (if this process makes it), then work while RUNNING."""
+    """``create`` the context (if this process makes it), then work while RUNNING.
+
+    ``context_when``: the context comes only once that file exists (a process that
+    makes its first CUDA call late: before, the driver knows nothing of it).
+    """
     pid = os.getpid()
     progress_path = directory / "progress" / str(pid)
     entry = directory / "procs" / str(pid)
     progress_path.parent.mkdir(exist_ok=True)
     try:
+        while context_when is not None and not context_when.exists():
+            time.sleep(WAIT_S)  # CPU work only, and none of it counted
         create()
         with open(progress_path, "w+b") as f:
             f.write(bytes(cudadir.PROGRESS.size))
@@ -147,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spawn-later", type=float, help="start one more after SECONDS")
     parser.add_argument("--seconds", type=float, help="stop after SECONDS (default: never)")
     parser.add_argument("--cgroup", type=Path, help="a v2 cgroup to move into first")
+    parser.add_argument(
+        "--context-when",
+        type=Path,
+        metavar="PATH",
+        help="create the CUDA context(s) only once PATH exists (a first CUDA call, late)",
+    )
     parser.add_argument(
         "--fault",
         action="append",
@@ -200,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seconds,
             lambda: create_contexts(directory, args.memory, at_start),
             maybe_spawn,
+            args.context_when,
         )
     finally:
         for child in children:

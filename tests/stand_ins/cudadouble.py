@@ -109,6 +109,13 @@ class CudaTenant:
         return sum(cudadir.read_progress(self.directory, p)[0] for p in self.pids())
 
 
+def _procs_of(cgroup: Path) -> list[str]:
+    try:
+        return (cgroup / "cgroup.procs").read_text().split()
+    except OSError:
+        return []
+
+
 def _parent(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -240,12 +247,15 @@ class DriverDouble:
         cgroup: Path | None = None,
         faults: tuple[Fault, ...] = (),
         timeout: float = 10.0,
+        context_when: Path | None = None,
     ) -> CudaTenant:
         """Start ``cuda_tenant.py``; return once its ``processes`` have a context.
 
         ``faults`` are in place before the driver lists the process they are for
         (each process writes its own as it creates its context): kiwid cannot call
         the driver on it first, as it could between a start and :meth:`fault`.
+        ``context_when``: its contexts come only once that file exists (its first
+        CUDA call, late); it returns once the process runs, with no context yet.
 
         Raises:
             RuntimeError: it exited first (e.g. out of memory) or took too long; what
@@ -259,11 +269,20 @@ class DriverDouble:
             argv += ["--cgroup", str(cgroup)]
         for fault in faults:
             argv += ["--fault", f"{fault.process}:{fault.op}:{fault.text()}"]
+        if context_when is not None:
+            argv += ["--context-when", str(context_when)]
         env = {**os.environ, cudadir.ENVIRONMENT: str(self.directory)}
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, text=True)
         tenant = CudaTenant(proc, self.directory, cgroup)
         self.tenants.append(tenant)
         deadline = time.monotonic() + timeout
+        if context_when is not None:  # in its cgroup once it looks for the file
+            while cgroup is not None and str(proc.pid) not in _procs_of(cgroup):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    self.close([tenant])
+                    raise RuntimeError(f"cuda_tenant: exited (code {proc.poll()})")
+                time.sleep(0.01)
+            return tenant
         while len(tenant.pids()) < processes:
             if proc.poll() is not None or time.monotonic() > deadline:
                 self.close([tenant])

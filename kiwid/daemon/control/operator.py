@@ -6,7 +6,10 @@ while the others rotate. ``retry`` tries again (the engine mends it, or it stays
 stuck with the new reason); a retry of a released tenant brings it back into the
 rotation. ``release`` lets it run ungated, outside the rotation. Both answer once
 the engine has carried the request out (or after a bound: it goes on, and status
-shows how it ends), never blocking the event loop meanwhile.
+shows how it ends), never blocking the event loop meanwhile. A tenant's jobs run
+one at a time, also past a deadline: while a driver call of it hangs, the
+operator's word waits behind it (the tenant is fenced meanwhile where it may
+run), and the answer says so at once (``queued_behind``).
 """
 
 from __future__ import annotations
@@ -44,29 +47,22 @@ _NOT_STUCK = {
 async def retry(ctx: Context, tenant: str, peer: Peer) -> dict[str, Any]:
     """Try a stuck tenant again, or bring a released one back into the rotation.
 
+    A tenant's jobs run one at a time: while a driver call of it hangs, the retry
+    waits behind it, and the answer says so at once.
+
     Raises:
         ControlError: ``invalid-value``: an unknown tenant, one neither stuck nor
-            released, one whose retry or release is under way, or one whose job
-            ran past its deadline and has not returned (``release`` is the way then).
+            released, or one whose retry or release is under way.
     """
-    view = _judge(ctx, tenant, "retry", (S.STUCK, S.RELEASED))
-    hung = ctx.engine.hung(tenant)
-    if hung is not None and view.state is S.STUCK:
-        job, started = hung
-        now = ctx.clock()
-        raise ControlError(
-            "invalid-value",
-            f"the {job.kind.value} of {tenant} has not returned since {_clock(now, started)} "
-            f"({now - started:.0f} s ago, past gpu.driver_timeout): a retry would wait on "
-            f"the same driver call. `kiwictl release {tenant}` is the other way: it lets it "
-            "run ungated",
-        )
+    _judge(ctx, tenant, "retry", (S.STUCK, S.RELEASED))
     ctx.engine.apply([RetryAsked(tenant)])
     return await _outcome(ctx, tenant, "retry", peer)
 
 
 async def release(ctx: Context, tenant: str, peer: Peer) -> dict[str, Any]:
     """Let a stuck tenant run ungated, outside the rotation, on the operator's word.
+
+    As a retry, it waits behind a driver call of the tenant that hangs.
 
     Raises:
         ControlError: ``invalid-value``: an unknown tenant, one that is not stuck,
@@ -118,13 +114,17 @@ def _settled(view: TenantView | None) -> bool:
 
 
 async def _outcome(ctx: Context, tenant: str, asked: str, peer: Peer) -> dict[str, Any]:
-    """Wait (bounded, asynchronously) for the engine's answer; say where the tenant stands."""
+    """Wait (bounded, asynchronously) for the engine's answer; say where the tenant stands.
+
+    Behind a hung driver call of the tenant it does not wait: it says what it waits for.
+    """
     engine = ctx.engine
     started = ctx.clock()
     deadline = started + 2 * ctx.settings.gpu.driver_deadline_s + GRACE_S
+    hung = engine.hung(tenant)
     seen = -1
     view = None
-    while True:
+    while hung is None:
         if engine.generation != seen:
             seen = engine.generation
             view = _view(ctx, tenant)
@@ -134,6 +134,8 @@ async def _outcome(ctx: Context, tenant: str, asked: str, peer: Peer) -> dict[st
             break
         await asyncio.sleep(POLL_S)
     now = ctx.clock()
+    if hung is not None:
+        view = _view(ctx, tenant)
     pending = not _settled(view)
     answer = {
         "tenant": tenant,
@@ -145,14 +147,25 @@ async def _outcome(ctx: Context, tenant: str, asked: str, peer: Peer) -> dict[st
         "waiting_for": view.waiting_for if view is not None else None,
         "pending": pending,
         "seconds": round(now - started, 3),
+        "queued_behind": None if hung is None else _behind(hung[0].kind.value, hung[1], now),
     }
     info = engine.tracker.tenants.get(tenant)
     name = info.identity.name if info is not None else tenant
     who = f"{name} ({tenant})" if name != tenant else tenant
-    log.info(
-        "Operator %s of %s by uid %d: %s", asked, who, peer.uid, _said(view, pending, now - started)
-    )
+    said = _said(view, pending, now - started)
+    if hung is not None:
+        said = f"queued behind its {hung[0].kind.value}, whose call has not returned"
+    log.info("Operator %s of %s by uid %d: %s", asked, who, peer.uid, said)
     return answer
+
+
+def _behind(job: str, started: float, now: float) -> dict[str, Any]:
+    """What an operator's word waits behind: a job whose driver call hangs, since when."""
+    return {
+        "job": job,
+        "since_unix": round(time.time() - (now - started), 3),
+        "seconds": round(now - started, 3),
+    }
 
 
 def _said(view: TenantView | None, pending: bool, seconds: float) -> str:
@@ -176,8 +189,3 @@ def where(residency: Residency) -> str:
     if residency.on_card:
         return "on the card"
     return "in host RAM" if residency is Residency.HOST else f"{residency.value}"
-
-
-def _clock(now: float, at: float) -> str:
-    """A monotonic instant as the wall clock's ``HH:MM:SS``."""
-    return time.strftime("%H:%M:%S", time.localtime(time.time() - (now - at)))

@@ -3,21 +3,20 @@
 Everything here blocks (a freeze waits for the kernel, a checkpoint of 47 GiB
 takes half a minute), so the daemon runs it on worker threads; tests run it
 inline. Each kind of job lives in its own module (:mod:`.gate_jobs`,
-:mod:`.swap_jobs`, :mod:`.mend_jobs`); this one dispatches (a follow that moves
-memory: the gate's job, then the swap's), and makes sure that
-every job reports an outcome the scheduler hears, also when it raises: a gate
-that raised is a gate that did not take, never a success.
+:mod:`.swap_jobs`, :mod:`.mend_jobs`, :mod:`.converge_jobs`, :mod:`.side_jobs`);
+this one dispatches, and makes sure that every job reports an outcome the
+scheduler hears, echoing the job's epoch, also when it raises: a gate that raised
+is a gate that did not take, never a success.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 
 from kiwid.core.events import Event, TenantFaulted
 from kiwid.core.residency import Residency
-from kiwid.daemon.engine import gate_jobs, mend_jobs, swap_jobs
+from kiwid.daemon.engine import converge_jobs, gate_jobs, mend_jobs, side_jobs, swap_jobs
 from kiwid.daemon.engine.executor import OPERATIONS, Job, Kind
 from kiwid.daemon.engine.tools import SwapGuards, Tools
 from kiwid.daemon.gating.gates import TenantGate
@@ -29,14 +28,14 @@ log = logging.getLogger("kiwid.engine")
 _JOBS: dict[Kind, Callable[[Tools, Job], list[Event]]] = {
     Kind.GATE: gate_jobs.gate,
     Kind.UNGATE: gate_jobs.ungate,
-    Kind.FOLLOW: functools.partial(gate_jobs.follow, move=swap_jobs.follow_out),
-    Kind.FENCE: gate_jobs.fence,
     Kind.FORGET: gate_jobs.forget,
     Kind.SWAP_OUT: swap_jobs.swap,
     Kind.SWAP_IN: swap_jobs.swap,
     Kind.RETRY: mend_jobs.retry,
     Kind.RELEASE: mend_jobs.release,
-    Kind.SETTLE: gate_jobs.settle,
+    Kind.CONVERGE: converge_jobs.converge,
+    Kind.FOLLOW: side_jobs.follow,
+    Kind.FENCE: side_jobs.fence,
 }
 
 
@@ -74,34 +73,24 @@ class Effects:
     def carry_out(self, job: Job) -> list[Event]:
         """Do ``job``; return what the scheduler must hear of it (never raises)."""
         try:
-            events = _JOBS[job.kind](self.tools, job)
+            return _JOBS[job.kind](self.tools, job)
         except Exception as err:  # a bug must not stop the rotation, nor pass for a success
             log.exception("Carrying out %s of %s failed", job.kind.value, job.tenant)
-            events = self._failed(job, err)
-        for event in events:
-            # A late job's fault is old news: whatever is recorded since stays.
-            if isinstance(event, TenantFaulted) and not job.given_up.is_set():
-                self.tools.record_fault(event)
-        return events
+            return self._failed(job, err)
 
     def _failed(self, job: Job, err: Exception) -> list[Event]:
         """What the scheduler hears of a job that raised: the tenant is stuck.
 
-        A gate that raised may have left it running (fenced where it can be); any
-        other job left it gated, its memory wherever the driver says.
+        A job that locks or unlocks may have left it running; any other left it
+        gated, its memory wherever the driver says. The converge that follows the
+        fault finds out, and contains it.
         """
         operation = OPERATIONS.get(job.kind)
         if operation is None:  # a forget: the tenant is gone already
             return []
         reason = f"internal error during its {job.kind.value}: {err!r}"
-        record = self.tools.state.records.get(job.tenant)
-        if job.kind in (Kind.GATE, Kind.FOLLOW, Kind.FENCE, Kind.SETTLE):
-            fault = TenantFaulted(job.tenant, operation, reason, answers=job.kind is Kind.GATE)
-            return [self.tools.fence(job.info, fault, job.given_up)]
-        where: Residency | None = None
-        if record is not None:
-            try:
-                where = self.tools.placement(record).where
-            except Exception:  # noqa: BLE001 - the driver too is failing: nothing is known
-                where = Residency.UNKNOWN
-        return [TenantFaulted(job.tenant, operation, reason, where)]
+        moving = job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN, Kind.RETRY, Kind.RELEASE)
+        where = Residency.UNKNOWN if moving else None
+        contained = job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN)
+        fault = TenantFaulted(job.tenant, operation, reason, where, contained, epoch=job.epoch)
+        return [fault]

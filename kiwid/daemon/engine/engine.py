@@ -3,15 +3,22 @@
 :meth:`Engine.apply` feeds events to the scheduler and queues the actions it
 returns; it never waits. A runner carries the jobs out — on threads in the
 daemon (:class:`~kiwid.daemon.engine.runner.ThreadRunner`), inline in tests —
-in the order the executor allows
-(:mod:`kiwid.daemon.engine.executor`), and each job's outcome goes back to the scheduler
-through :meth:`Engine.finished` as events (``SwapFinished``, ``GateFailed``). So a
+in the order the executor allows (:mod:`kiwid.daemon.engine.executor`: one
+serial lane per tenant), and each job's outcome goes back to the scheduler
+through :meth:`Engine.finished` as events (``Gated``, ``SwapFinished``,
+``TenantFaulted``...), each echoing the epoch its action was asked in. So a
 30-second checkpoint, a slow freeze or a stuck lock never holds up a poll, a
 ``kiwictl`` answer or the watchdog's ping, and nothing the scheduler decides is
 ever carried out out of order.
 
+A job that runs past its deadline is not given up on: its call goes on and keeps
+its tenant's lane; the scheduler hears ``JobOverdue`` (the tenant is stuck, and
+fenced where the call may leave it running). When the call returns, what it says
+is of an epoch the tenant left: the scheduler asks a converge, which reads the
+truth and drives it to what is wanted then. The engine decides nothing of its own.
+
 Everything here runs on the loop's thread; only :meth:`Effects.carry_out
-<kiwid.daemon.effects.Effects.carry_out>` runs elsewhere.
+<kiwid.daemon.engine.effects.Effects.carry_out>` runs elsewhere.
 """
 
 from __future__ import annotations
@@ -24,21 +31,18 @@ from typing import Protocol
 from kiwid.core.events import (
     Action,
     ActivitySeen,
+    Converge,
     Event,
-    Released,
-    SwapFinished,
-    SwapOut,
+    Fence,
     TenantDetached,
-    TenantFaulted,
     Tick,
 )
 from kiwid.core.model import TenantState
-from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler, Transition
 from kiwid.core.states import Trigger
-from kiwid.daemon.engine.deadlines import LOCKING, MAY_RUN, late
+from kiwid.daemon.engine.deadlines import overdue
 from kiwid.daemon.engine.effects import Effects
-from kiwid.daemon.engine.executor import OPERATIONS, Executor, Job, Kind, Lanes
+from kiwid.daemon.engine.executor import TIMELESS, Executor, Job, Kind, Lanes
 from kiwid.daemon.engine.records import Departed, Histogram, SwapProgress
 from kiwid.daemon.tenants.tracker import TenantInfo, TenantTracker
 
@@ -46,6 +50,8 @@ log = logging.getLogger("kiwid.engine")
 
 DEPARTED_GRACE_S = 300.0
 """How long a gone tenant's ledger stays in status and metrics (bounds label cardinality)."""
+_DEDUPED = (Converge, Fence)
+"""Actions that read what is wanted as they start: one queued of a tenant is enough."""
 
 
 class Runner(Protocol):
@@ -90,22 +96,15 @@ class Engine:
         """Per GPU, from a grant to the moment the new holder runs (its stall)."""
         self.stopping = False
         """Set at shutdown: nothing new is started."""
-        self._departed: dict[str, Departed] = {}
-        self._started: dict[Job, float] = {}
-        self._granted: dict[str, float] = {}  # tenant -> when it was granted, until let go
-        self._rates: dict[str, float] = {}  # direction -> bytes/s of the last swap
-        self._idle: list[Callable[[], None]] = []
         self.deadline_s: Callable[[Job, int], float] = deadline_s or (lambda job, nbytes: math.inf)
-        self._due: dict[Job, float] = {}
-        self._orphaned: set[Job] = set()  # running jobs of tenants that left since
         self.failed: Exception | None = None
         """What made the scheduler fail, once it did (a bug): nothing is applied since."""
         self.on_failure: Callable[[Exception], None] = lambda err: None
         """Told once the scheduler failed (the daemon stops)."""
-        self.abandoned: dict[Job, float] = {}
-        """Jobs that ran past their deadline and whose thread has not returned (a driver
-        call that hangs), with when they started: their tenant is stuck, and a retry
-        waits until they return."""
+        self._departed: dict[str, Departed] = {}
+        self._granted: dict[str, float] = {}  # tenant -> when it was granted, until let go
+        self._rates: dict[str, float] = {}  # direction -> bytes/s of the last swap
+        self._idle: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------ events in
 
@@ -135,50 +134,34 @@ class Engine:
     def _apply_one(self, event: Event) -> None:
         """Apply one event: the scheduler, its log lines, the jobs it asks for."""
         now = self._clock()
-        detached = isinstance(event, TenantDetached)
-        if detached:
-            self._depart(event.tenant, now)  # type: ignore[union-attr]
+        if isinstance(event, TenantDetached):
+            self._depart(event.tenant, now)
+        epoch = getattr(event, "epoch", None)
+        tenant = getattr(event, "tenant", None)
+        if epoch is not None and tenant is not None and epoch != self.scheduler.epoch(tenant):
+            log.debug("Old news of %s (epoch %d): %s", tenant, epoch, type(event).__name__)
         actions = self.scheduler.handle(event, now)
         transitions = self.scheduler.drain_transitions()
         if actions or transitions or not isinstance(event, ActivitySeen):
             self.generation += 1
         for change in transitions:
             self._log_transition(change)
-        for tenant, notice in self.scheduler.drain_notices():
-            who = _who(self.tracker.tenants.get(tenant), tenant)
+        for key, notice in self.scheduler.drain_notices():
+            who = _who(self.tracker.tenants.get(key), key)
             log.warning("Swap out of %s not done: %s", who, notice)
-        if detached:
-            self._leave(event.tenant)  # type: ignore[union-attr]
-            self._submit(None, event.tenant)  # type: ignore[union-attr]
-        if isinstance(event, TenantFaulted | Released):
-            self._stuck(event.tenant)
+        if isinstance(event, TenantDetached):
+            self._leave(event.tenant)
         for action in actions:
-            self._submit(action, action.tenant)
+            self._submit(action)
 
     def _leave(self, tenant: str) -> None:
-        """A tenant left: its queued jobs are moot, its running ones speak for nobody.
-
-        A tenant may come back under the same key (a container restarted in the same
-        cgroup); what a job of the one that left says must not be taken for it.
-        """
-        for job in self.executor.drop_queued_of(tenant, keep=()):
-            log.debug("Not carrying out the %s of %s: it left", job.kind.value, tenant)
-        running = {job for job in self._started if job.tenant == tenant}
-        self._orphaned |= running | {job for job in self.abandoned if job.tenant == tenant}
-        for job in running:  # no deadline: a call on processes that are gone hurts nobody
-            self._due.pop(job, None)
-
-    def _stuck(self, tenant: str) -> None:
-        """What was queued for a tenant that just got stuck is moot (its undo is not)."""
-        if self.scheduler.tenant_state(tenant) is not TenantState.STUCK:
-            return
-        undone: list[Event] = []
+        """A tenant left: its queued jobs are moot; a forget undoes what may remain."""
         for job in self.executor.drop_queued_of(tenant):
-            log.info("Not carrying out the %s of %s: it is stuck", job.kind.value, tenant)
-            if job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN):  # its memory did not move
-                direction = "out" if job.kind is Kind.SWAP_OUT else "in"
-                undone.append(SwapFinished(tenant, direction, ok=False, reason="it is stuck"))
-        self.apply(undone)
+            log.debug("Not carrying out the %s of %s: it left", job.kind.value, tenant)
+        self.executor.never_due(tenant)  # a call on processes that are gone hurts nobody
+        gone = self._departed.get(tenant)
+        info = gone.info if gone else None
+        self.executor.job(Kind.FORGET, tenant, info.gpus if info else frozenset(), info=info)
 
     def tick(self) -> None:
         """Let the scheduler act on deadlines that have passed."""
@@ -186,141 +169,96 @@ class Engine:
 
     # ------------------------------------------------------------ jobs
 
-    def _submit(self, action: Action | None, tenant: str) -> None:
+    def _submit(self, action: Action) -> None:
+        tenant = action.tenant
+        if isinstance(action, _DEDUPED):
+            kind = Kind.CONVERGE if isinstance(action, Converge) else Kind.FENCE
+            if self.executor.pending(tenant, kind, started=False):
+                return  # one queued reads what is wanted as it starts: enough
         info = self.tracker.tenants.get(tenant)
-        if info is None and action is None:
-            gone = self._departed.get(tenant)
-            info = gone.info if gone else None
         gpus = info.gpus if info else frozenset()
-        sizes = dict(action.sizes) if isinstance(action, SwapOut) else {}
+        sizes = dict(action.sizes) if hasattr(action, "sizes") else {}
         self.executor.job(action, tenant, gpus, info=info, sizes=sizes)
 
     def follow(self, tenant: str, pids: dict[int, int]) -> None:
-        """Lock the processes (pid -> start time) a gated tenant started since its gate.
+        """Look at the processes (pid -> start time) of a tenant the core holds gated.
 
-        Where the scheduler has the tenant's memory in host RAM, theirs goes there
-        too (the job's sizes: what the card holds of the tenant now, theirs).
+        Under the CUDA lock, each poll asks this for every gated tenant: the follow
+        locks those that run (beside the tenant's lane), and says those on the card
+        if its memory is in host RAM. One at a time per tenant.
         """
+        want = self.scheduler.want(tenant)
         info = self.tracker.tenants.get(tenant)
-        if info is None or self.executor.busy(tenant):
-            return  # gone, or a job of it runs: the next poll looks again
-        sizes = None
-        if self.scheduler.residency(tenant) is Residency.HOST:
-            sizes = {gpu: info.footprint.get(gpu) or 0 for gpu in info.gpus}
-        self.executor.job(Kind.FOLLOW, tenant, info.gpus, info=info, pids=pids, sizes=sizes)
+        if want is None or info is None or not want.gated:
+            return
+        if self.executor.pending(tenant, Kind.FOLLOW):
+            return  # the last one has not ended: the next poll asks again
+        self.executor.job(
+            Kind.FOLLOW, tenant, info.gpus, epoch=want.epoch, info=info, pids=pids, want=want
+        )
         self._kick()
+
+    def _moot(self, job: Job) -> bool:
+        """Whether ``job`` was asked in an epoch its tenant has left (rule 5)."""
+        return job.kind not in TIMELESS and job.epoch != self.scheduler.epoch(job.tenant)
 
     def _kick(self) -> None:
         if self.runner is None or self.stopping:
             return
-        for job in self.executor.startable():
-            # kiwid's word after every job asked before it (a release, say)
-            if job.kind is Kind.SETTLE and self.scheduler.gated(job.tenant):
-                job.hold.set()
-            if job.kind is Kind.FENCE and self._holds(job.tenant):
-                job.hold.set()
+        for job in self.executor.startable(self._moot):
+            if job.kind is Kind.CONVERGE:  # level-triggered: what is wanted now
+                job.want = self.scheduler.want(job.tenant)
+                job.info = self.tracker.tenants.get(job.tenant) or job.info
+                job.epoch = job.want.epoch if job.want is not None else job.epoch
             now = self._clock()
-            self._started[job] = now
             nbytes = job.nbytes or sum(self.scheduler.peak(job.tenant).values())
-            self._due[job] = now + self.deadline_s(job, nbytes)
+            self.executor.start(job, now, now + self.deadline_s(job, nbytes))
             self.runner.start(job)
 
     # ------------------------------------------------------------ deadlines
 
     def next_deadline(self) -> float | None:
-        """When the first running job runs past its deadline (``None``: no job runs)."""
-        return min(self._due.values(), default=None)
+        """When the first running job runs past its deadline (``None``: no job can)."""
+        return self.executor.next_due()
 
     def expire(self) -> None:
-        """Give up on the jobs past their deadline: their tenants are stuck.
+        """Jobs past their deadline: their tenants are stuck, their lanes kept.
 
         Their threads go on in the driver call that hangs; when one returns, what
-        it says is logged and no more (:meth:`finished`).
+        it says is old news to the scheduler (:meth:`finished`).
         """
         now = self._clock()
-        for job in [j for j, due in self._due.items() if due <= now]:
-            del self._due[job]
-            started = self._started.pop(job, now)
-            self.executor.finish(job)
-            self.abandoned[job] = started
-            job.given_up.set()
+        for job, run in self.executor.overdue(now):
             self.generation += 1
             log.error(
                 "The %s of %s ran past its deadline (%.0f s; gpu.driver_timeout): its "
-                "tenant is stuck, the others rotate on",
+                "tenant is stuck and its next jobs wait for the call; the others rotate on",
                 job.kind.value,
                 job.tenant,
-                now - started,
+                now - run.started,
             )
-            events = late(job, now - started)
-            self.apply(events)
-            # It may run: fence it, if kiwid holds it (stuck, or gated: a follow's
-            # fault is moot for a tenant gated already, its new process is not);
-            # never one released or let go since, nor by the time the fence starts.
-            if job.kind in MAY_RUN and events and self._holds(job.tenant):
-                info = job.info or self.tracker.tenants.get(job.tenant)
-                fault = events[0] if isinstance(events[0], TenantFaulted) else None
-                self.executor.job(Kind.FENCE, job.tenant, job.gpus, info=info, fault=fault)
+            if job.tenant in self.tracker.tenants:
+                self.apply(overdue(job, now - run.started))
         self._kick()
-
-    def _holds(self, tenant: str) -> bool:
-        """Whether kiwid holds ``tenant``: stuck, or gated (not released, nor let go)."""
-        stuck = self.scheduler.tenant_state(tenant) is TenantState.STUCK
-        return stuck or self.scheduler.gated(tenant)
-
-    def _returned_late(self, job: Job, started: float, events: list[Event]) -> None:
-        """A call that ran past its deadline returned: what it says is old news.
-
-        What it did is not: an ungate (or release) that went through late may have
-        let a tenant run that kiwid holds gated, so it counts as running again.
-        """
-        seconds = self._clock() - started
-        log.warning(
-            "The %s of %s that ran past its deadline returned after %.1f s (%s)",
-            job.kind.value,
-            job.tenant,
-            seconds,
-            ", ".join(type(e).__name__ for e in events) or "nothing to say",
-        )
-        self.generation += 1
-        if job in self._orphaned:  # its tenant left meanwhile
-            self._orphaned.discard(job)
-            return
-        if job.kind in LOCKING:  # a lock in flight may have taken after kiwid gave up
-            info = self.tracker.tenants.get(job.tenant) or job.info
-            self.executor.job(Kind.SETTLE, job.tenant, job.gpus, info=info)
-            self._kick()
-        undid = job.kind is Kind.SETTLE and not job.hold.is_set()  # it unlocked
-        let_go = job.kind in (Kind.UNGATE, Kind.RELEASE) or undid
-        if let_go and self.scheduler.gated(job.tenant):
-            reason = (
-                f"its {job.kind.value}, {seconds:.0f} s late, may have let it run: kiwid "
-                "holds it gated again"
-            )
-            operation = OPERATIONS[job.kind]  # (it answers no job: a release asked since runs)
-            fault = TenantFaulted(job.tenant, operation, reason, contained=False, answers=False)
-            self.apply([fault])
 
     def hung(self, tenant: str) -> tuple[Job, float] | None:
         """A job of ``tenant`` past its deadline whose call has not returned, and its start."""
-        return next(((j, s) for j, s in self.abandoned.items() if j.tenant == tenant), None)
+        return self.executor.hung(tenant)
 
     def finished(self, job: Job, events: Iterable[Event]) -> None:
         """A runner is done with ``job``; ``events`` are what it found out."""
-        started_late = self.abandoned.pop(job, None)
-        if started_late is not None:
-            self._returned_late(job, started_late, list(events))
-            return
-        self._due.pop(job, None)
-        self.executor.finish(job)
-        started = self._started.pop(job, None)
+        run = self.executor.finish(job)
         now = self._clock()
-        if job in self._orphaned:  # its tenant left while it ran
-            self._orphaned.discard(job)
-            events = [e for e in events if not hasattr(e, "tenant")]
+        if run is not None and run.overdue:
+            log.warning(
+                "The %s of %s that ran past its deadline returned after %.1f s",
+                job.kind.value,
+                job.tenant,
+                now - run.started,
+            )
         swap = job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN)
-        if swap and started is not None and job.nbytes and now > started:
-            self._rates[job.kind.value] = job.nbytes / (now - started)
+        if swap and run is not None and job.nbytes and now > run.started:
+            self._rates[job.kind.value] = job.nbytes / (now - run.started)
         if job.kind is Kind.UNGATE:
             granted = self._granted.pop(job.tenant, None)
             if granted is not None:
@@ -341,13 +279,14 @@ class Engine:
     def swaps(self) -> dict[str, SwapProgress]:
         """Swaps in progress, by tenant (derived from the running jobs)."""
         out: dict[str, SwapProgress] = {}
-        for job, started in self._started.items():
-            if job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN):
+        for job in self.executor.running:
+            run = self.executor.run_of(job)
+            if run is not None and job.kind in (Kind.SWAP_OUT, Kind.SWAP_IN):
                 direction = "out" if job.kind is Kind.SWAP_OUT else "in"
                 nbytes = job.nbytes or sum(self.scheduler.peak(job.tenant).values())
                 rate = self._rates.get(job.kind.value)
                 out[job.tenant] = SwapProgress(
-                    job.tenant, direction, nbytes, started, job.gpus, rate
+                    job.tenant, direction, nbytes, run.started, job.gpus, rate
                 )
         return out
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 from kiwid.core.events import Event, Mended, Released, TenantFaulted
 from kiwid.core.residency import Residency
 from kiwid.daemon.engine.executor import Job
-from kiwid.daemon.engine.tools import Tools, not_given_up, who
+from kiwid.daemon.engine.tools import Tools, who
 from kiwid.daemon.gating import recovery
 from kiwid.daemon.gating.cudagate import CudaLockGate
 from kiwid.daemon.gating.gates import GateError
@@ -44,11 +44,18 @@ def retry(tools: Tools, job: Job) -> list[Event]:
         answer = err.answer if isinstance(err, GateError | SwapError) else None
         return [
             TenantFaulted(
-                job.tenant, "retry", reason, after.where, not after.runs, pid=pid, answer=answer
+                job.tenant,
+                "retry",
+                reason,
+                after.where,
+                not after.runs,
+                pid=pid,
+                answer=answer,
+                epoch=job.epoch,
             )
         ]
     log.info("Mended %s: gated, its memory %s", name, _where(mended))
-    return [Mended(job.tenant, mended)]
+    return [Mended(job.tenant, mended, epoch=job.epoch)]
 
 
 def _mend(tools: Tools, job: Job, record: GatedRecord | None) -> Residency:
@@ -62,25 +69,21 @@ def _mend(tools: Tools, job: Job, record: GatedRecord | None) -> Residency:
     if record is None:  # its gate never took, so it was never recorded: gate it now
         if job.info is None:
             raise GateError(f"{job.tenant}: unknown to the tenant table")
-        record = tools.gate.prepare(job.info)
-        not_given_up(job, "mended")
-        tools.state.put(record)
-        tools.gate.gate(record, job.given_up.is_set)
+        fresh = tools.gate.prepare(job.info)
+        tools.state.put(fresh)  # write-ahead, as any gate
+        tools.gate.gate(fresh)
         return R.RESIDENT
     placement = tools.placement(record)
     if placement.runs:  # a process of it is unlocked: lock (or freeze) it again
-        tools.gate.gate(record, job.given_up.is_set)
+        tools.gate.gate(record)
     if placement.where is R.UNKNOWN and tools.swapper is not None:
-        not_given_up(job, "mended")
         tools.swapper.swap_in(record)  # part of it in host RAM: all of it to the card
     placement = tools.placement(record)
     if placement.where is R.UNKNOWN or placement.runs:
         raise GateError(f"{job.tenant}: still out of step: {placement.detail}")
     if record.fenced and isinstance(tools.gate, CudaLockGate):
-        not_given_up(job, "mended")
         record = tools.gate.unfence(record)  # the lock holds it again
     home = placement.where is R.HOST
-    not_given_up(job, "mended")
     tools.state.put(
         replace(
             record,
@@ -97,17 +100,20 @@ def release(tools: Tools, job: Job) -> list[Event]:
     name = who(job.info, job.tenant)
     record = tools.state.records.get(job.tenant)
     if record is None:
-        return [Released(job.tenant, complete=True, note="kiwid held nothing of it")]
-    undo = recovery.undo_with(tools.state.dir, tools.gate, tools.swapper)
+        note = "kiwid held nothing of it"
+        return [Released(job.tenant, complete=True, note=note, epoch=job.epoch)]
+    undo = recovery.undo_with(tools.state.dir, tools.gate, tools.swapper, tools.state.unchanged)
     again = f"kiwictl release {job.tenant}"
-    word = " on an operator's word"
-    why = recovery.release(record, undo(record), word, again, job.given_up.is_set)
+    why = recovery.release(record, undo(record), " on an operator's word", again)
     if why is None:
-        tools.state.drop(job.tenant, only=record)  # a fence written since stays
-        return [Released(job.tenant, complete=True, note="restored, unlocked and thawed")]
+        tools.state.drop(job.tenant, expect=record.version)  # a fence written since stays
+        note = "restored, unlocked and thawed"
+        return [Released(job.tenant, complete=True, note=note, epoch=job.epoch)]
     after = tools.placement(record)
     log.error("Could not release %s whole: %s", name, why)
-    return [Released(job.tenant, complete=False, note=why, contained=not after.runs)]
+    return [
+        Released(job.tenant, complete=False, note=why, contained=not after.runs, epoch=job.epoch)
+    ]
 
 
 def _where(residency: Residency) -> str:

@@ -2,8 +2,9 @@
 
 Only their CUDA calls stop, their CPU work goes on. The lock outlives the process
 that took it, so it is recorded like a freeze and undone by ``kiwid recover`` or
-the next start. A process the tenant starts later is locked too
-(:meth:`CudaLockGate.follow`). When the lock cannot be trusted (a call that
+the next start. A process the tenant starts later, or one that creates its CUDA
+context later, is locked by the follow that each poll runs for a gated tenant
+(:mod:`kiwid.daemon.engine.follow_jobs`). When the lock cannot be trusted (a call that
 failed half-way, or never returned), the tenant's cgroup is frozen as well, a
 *fence* (:meth:`CudaLockGate.fence`): the freezer is the lever that does not
 depend on the driver.
@@ -12,13 +13,13 @@ depend on the driver.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
 
 from kiwid.adapters import procs
 from kiwid.adapters.cgroups import CgroupLayout, FreezeError, cgroup_ids
 from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
-from kiwid.daemon.gating.gates import FreezeGate, GateError, make_record, never
+from kiwid.daemon.gating.gates import FreezeGate, GateError, Guard, always, make_record
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.tenants.tracker import TenantInfo
 
@@ -50,67 +51,67 @@ class CudaLockGate:
         ident = tenant.identity
         return make_record(tenant, self.method, ident.cgroup_v2, ident.cgroup_v1_freezer)
 
-    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
-        """Lock every process; if one fails, unlock those already locked.
+    def gate(self, record: GatedRecord) -> frozenset[int]:
+        """Lock every process that runs; if one fails, unlock those this call locked.
 
-        ``cancelled``: checked before each lock. Once kiwid gave up on the gate (a
-        call hung past its deadline), it locks nothing more and undoes nothing:
-        what it locked before is fenced and recorded by kiwid since.
+        A process with no CUDA context yet answers ``CUDA_ERROR_NOT_INITIALIZED``: it
+        cannot run on the GPU, and it is not locked either. It stays to lock: each
+        poll's follow looks at every process of a gated tenant that runs.
 
-        Raises:
-            GateError: a process could not be locked (none is left locked, unless
-                cancelled), or the gate was cancelled.
-        """
-        self._lock_all(record, record.pids, cancelled)
-
-    def follow(
-        self, record: GatedRecord, pids: tuple[int, ...], cancelled: Callable[[], bool] = never
-    ) -> None:
-        """Lock ``pids``, processes a gated tenant started since it was gated.
-
-        A process with no CUDA context yet is left alone (it cannot run on the
-        GPU; the next poll that lists it locks it).
+        Returns:
+            The processes it holds now (locked by it or before it, or checkpointed).
 
         Raises:
-            GateError: one could not be locked (the others stay locked), or kiwid
-                gave up on the follow (``cancelled``, as for :meth:`gate`).
+            GateError: a process could not be locked (none this call locked stays so).
         """
-        self._lock_all(record, pids, cancelled, undo=False)
-
-    def _lock_all(
-        self,
-        record: GatedRecord,
-        pids: tuple[int, ...],
-        cancelled: Callable[[], bool],
-        *,
-        undo: bool = True,
-    ) -> None:
+        held: set[int] = set()
         done: list[int] = []
-        for pid in pids:
+        for pid in record.pids:
             try:
-                # Already locked (or in host RAM): a previous kiwid gated it and
-                # this one re-adopts it. Locking again would fail, and dropping
-                # the record then would strand it.
-                if self._lock.state(pid) is not ProcessState.RUNNING:
+                state = self._lock.state(pid)
+                if state is not ProcessState.RUNNING:
+                    held.add(pid)  # a previous kiwid (or a follow) locked it already
                     continue
-                if cancelled():  # the state call hung past the deadline: too late
-                    raise GateError(
-                        f"{record.tenant}: not locking pid {pid}: kiwid gave up on this "
-                        "gate (a driver call ran past its deadline)",
-                        pid,
-                    )
                 self._lock.lock(pid, self._timeout_ms)
             except CudaLockError as err:
                 if err.name == "CUDA_ERROR_NOT_INITIALIZED" and procs.alive(pid):
                     continue  # no CUDA context (yet): nothing of it runs on the GPU
-                if undo and not cancelled():  # given up: kiwid fenced these since
-                    for locked in done:
-                        with contextlib.suppress(CudaLockError):
-                            self._lock.unlock(locked)
+                for locked in done:
+                    with contextlib.suppress(CudaLockError):
+                        self._lock.unlock(locked)
                 raise GateError(
                     f"{record.tenant}: cannot lock pid {pid}: {err}", pid, _answer(err)
                 ) from err
             done.append(pid)
+            held.add(pid)
+        return frozenset(held)
+
+    def state_of(self, pid: int) -> ProcessState | None:
+        """The driver's state of ``pid`` (``None``: it has no CUDA context, or is gone).
+
+        Raises:
+            GateError: the driver could not say.
+        """
+        try:
+            return self._lock.state(pid)
+        except CudaLockError as err:
+            if err.name == "CUDA_ERROR_NOT_INITIALIZED" or not procs.alive(pid):
+                return None
+            raise GateError(f"cannot read pid {pid}'s state: {err}", pid, _answer(err)) from err
+
+    def lock_one(self, pid: int) -> bool:
+        """Lock one running process; whether it is locked (``False``: no context any more).
+
+        Raises:
+            GateError: the driver refused.
+        """
+        try:
+            self._lock.lock(pid, self._timeout_ms)
+        except CudaLockError as err:
+            if err.name == "CUDA_ERROR_NOT_INITIALIZED" and procs.alive(pid):
+                return False
+            raise GateError(f"cannot lock pid {pid}: {err}", pid, _answer(err)) from err
+        return True
 
     def fence(self, tenant: TenantInfo, record: GatedRecord) -> GatedRecord:
         """The record with the cgroup that fences ``tenant`` (to write ahead, then freeze).
@@ -146,18 +147,22 @@ class CudaLockGate:
             GateError: the fence would not thaw.
         """
         if record.fenced:
-            (self._fence or FreezeGate(CgroupLayout.detect())).ungate(record)
+            (self._fence or FreezeGate(CgroupLayout.detect())).thaw(record)
         return replace(record, fenced=False)
 
-    def ungate(self, record: GatedRecord) -> None:
+    def ungate(self, record: GatedRecord, guard: Guard = always) -> None:
         """Unlock every process that is still locked, then thaw its fence if it has one.
+
+        The fence is thawed only while ``guard`` says the record is the one read: an
+        unlock that returns after its deadline must not thaw the fence that kiwid
+        froze meanwhile, beside its hung call.
 
         Raises:
             GateError: a live, locked process refused to unlock, or the fence to thaw.
         """
         unlock_all(self._lock, record)
         if record.fenced:
-            (self._fence or FreezeGate(CgroupLayout.detect())).ungate(record)
+            (self._fence or FreezeGate(CgroupLayout.detect())).ungate(record, guard)
 
     def holds(self, tenant: TenantInfo) -> bool:
         """Whether a process of ``tenant`` is locked or checkpointed now."""

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from kiwid.adapters.cgroups import (
@@ -40,6 +41,18 @@ from kiwid.linux.proc import read_stat
 log = logging.getLogger("kiwid.gate")
 
 
+Guard = Callable[[GatedRecord], AbstractContextManager[bool]]
+"""Whether a record is still what a job read, held while the job acts on it: a job
+whose call returned late must not thaw a fence written since (the state file's
+:meth:`~kiwid.daemon.gating.state.StateFile.unchanged`)."""
+
+
+@contextlib.contextmanager
+def always(record: GatedRecord) -> Iterator[bool]:
+    """The guard of whoever owns the tenant outright (``kiwid recover``): yes."""
+    yield True
+
+
 class GateError(Exception):
     """A tenant could not be gated or ungated.
 
@@ -54,11 +67,6 @@ class GateError(Exception):
         self.answer = answer
 
 
-def never() -> bool:
-    """A job that kiwid has not given up on (the default ``cancelled``)."""
-    return False
-
-
 class TenantGate(Protocol):
     """Gate and ungate tenants."""
 
@@ -68,20 +76,23 @@ class TenantGate(Protocol):
         """Return the record that undoes a gate of ``tenant`` (no gating yet)."""
         ...
 
-    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
+    def gate(self, record: GatedRecord) -> frozenset[int] | None:
         """Stop the tenant's GPU work; on failure leave it running.
 
-        ``cancelled``: whether kiwid gave up on this gate (it ran past its
-        deadline). Checked before each change: a gate that kiwid gave up on must
-        not take later, behind the back of whatever kiwid did with the tenant since.
+        Returns the processes it holds, where it holds them one by one (the CUDA
+        lock: only those with a CUDA context); ``None`` where it holds the whole
+        cgroup, processes started later included (the freezer).
 
         Raises:
-            GateError: it could not be gated (it was left ungated), or was cancelled.
+            GateError: it could not be gated (it was left ungated).
         """
         ...
 
-    def ungate(self, record: GatedRecord) -> None:
+    def ungate(self, record: GatedRecord, guard: Guard = always) -> None:
         """Let the tenant run again (a tenant that is gone is fine).
+
+        What only the record says (a freeze, a fence) is undone only while ``guard``
+        says the record is still the one read.
 
         Raises:
             GateError: it could not be ungated.
@@ -141,26 +152,34 @@ class FreezeGate:
         self._isolated[ident.key] = ref
         return ref
 
-    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
-        """Freeze the tenant's cgroup and wait until it is frozen.
+    def gate(self, record: GatedRecord) -> None:
+        """Freeze the tenant's cgroup and wait until it is frozen (all of it, always).
 
         Raises:
-            GateError: it did not freeze in time (it was thawed back), or kiwid gave
-                up on this gate before it froze anything (``cancelled``).
+            GateError: it did not freeze in time (it was thawed back).
         """
-        if cancelled():
-            raise GateError(f"{record.tenant}: not frozen: kiwid gave up on this gate")
         try:
             self._freezer.freeze(_ref(record))
         except (OSError, FreezeError) as err:
             raise GateError(f"{record.tenant}: {err}", answer=_errno(err)) from err
 
-    def ungate(self, record: GatedRecord) -> None:
+    def ungate(self, record: GatedRecord, guard: Guard = always) -> None:
         """Thaw the tenant's cgroup in every hierarchy, if it is the one kiwid froze.
 
         A cgroup that is gone is fine (the tenant exited). One whose identity does
         not match the record (removed and made again since, or a record kiwid did
-        not write) is left alone.
+        not write) is left alone, and so is one whose record changed since it was
+        read (``guard``: frozen again since, by a fence).
+
+        Raises:
+            GateError: the freezer refused to thaw it, or it is not kiwid's to thaw.
+        """
+        with guard(record) as current:
+            if current:
+                self.thaw(record)
+
+    def thaw(self, record: GatedRecord) -> None:
+        """Thaw the record's cgroup, if it is the one kiwid froze (see :meth:`ungate`).
 
         Raises:
             GateError: the freezer refused to thaw it, or it is not kiwid's to thaw.
@@ -207,10 +226,10 @@ class NullGate:
         """Return a record that needs no undoing."""
         return make_record(tenant, self.method, None, None)
 
-    def gate(self, record: GatedRecord, cancelled: Callable[[], bool] = never) -> None:
+    def gate(self, record: GatedRecord) -> None:
         """Do nothing."""
 
-    def ungate(self, record: GatedRecord) -> None:
+    def ungate(self, record: GatedRecord, guard: Guard = always) -> None:
         """Do nothing."""
 
     def forget(self, tenant: str) -> None:

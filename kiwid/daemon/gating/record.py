@@ -56,6 +56,9 @@ class GatedRecord:
     too, because its CUDA lock could not be trusted: thaw it when letting it go."""
     fault: RecordedFault | None = None
     """Why it is stuck (``None``: it is not)."""
+    version: int = 0
+    """Bumped by every write of it (:class:`~kiwid.daemon.gating.state.StateFile`): a
+    writer that read version N writes (or drops) it only if it is still N."""
 
     def pid_starts(self) -> dict[int, int | None]:
         """Each pid with its recorded start time (``None`` if not recorded)."""
@@ -175,6 +178,7 @@ def parse_record(key: Any, raw: Any) -> GatedRecord:
         starts=tuple(starts),
         fenced=fenced,
         fault=_fault(raw.get("fault")),
+        version=_int(raw.get("version", 0), "version"),
     )
 
 
@@ -207,6 +211,7 @@ def record_json(rec: GatedRecord) -> dict[str, Any]:
         "swapped": rec.swapped,
         "swap_method": rec.swap_method,
         "fenced": rec.fenced,
+        "version": rec.version,
         "fault": None
         if rec.fault is None
         else {

@@ -11,6 +11,7 @@ thousands of fsyncs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -21,7 +22,7 @@ from kiwid.adapters import procs
 from kiwid.adapters.cgroups import CgroupLayout
 from kiwid.adapters.cudalock import CudaLock, CudaLockError
 from kiwid.daemon.gating.cudagate import CudaLockGate
-from kiwid.daemon.gating.gates import FreezeGate, GateError, TenantGate, never
+from kiwid.daemon.gating.gates import FreezeGate, GateError, Guard, TenantGate, always
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.gating.swap import SwapError, Swapper, restore_record
@@ -44,19 +45,26 @@ class Undo:
 
 
 def undo_with(
-    state_dir: Path, gate: TenantGate | None = None, swapper: Swapper | None = None
+    state_dir: Path,
+    gate: TenantGate | None = None,
+    swapper: Swapper | None = None,
+    guard: Guard = always,
 ) -> Callable[[GatedRecord], Undo]:
     """How to undo each record: with the live gate and swapper where they made it.
 
     A record made another way (a previous kiwid with another gate) is undone the
-    way it names, as ``kiwid recover`` does without a daemon.
+    way it names, as ``kiwid recover`` does without a daemon. ``guard``: a live
+    kiwid's (its state file's), so that what a job read is undone only while it is
+    still the record (:meth:`~kiwid.daemon.gating.gates.TenantGate.ungate`).
     """
 
     def offline_restore(record: GatedRecord) -> None:
         restore_record(record, state_dir)
 
     def undo(record: GatedRecord) -> Undo:
-        ungate = gate.ungate if gate is not None and gate.method == record.method else ungate_record
+        ungate: Callable[[GatedRecord], None] = ungate_record
+        if gate is not None and gate.method == record.method:
+            ungate = functools.partial(gate.ungate, guard=guard)
         restore = offline_restore
         made_here = swapper is not None and swapper.method == record.swap_method
         locked_here = swapper is not None and swapper.method == "checkpoint"
@@ -77,7 +85,6 @@ def release(
     undo: Undo,
     note: str = "",
     again: str = "kiwid recover",
-    cancelled: Callable[[], bool] = never,
 ) -> str | None:
     """Restore (if alive), ungate and unfence one tenant; why not, if it could not.
 
@@ -87,9 +94,6 @@ def release(
     checkpoint), and a checkpoint that ended meanwhile is restored in turn.
     ``note`` ends the log line (e.g. who left it gated); ``again`` is the command
     that tries once more, named in the advice when memory stays in host RAM.
-    ``cancelled``: checked before the ungate; once kiwid gave up on the release (a
-    restore that returned after its deadline), kiwid holds the tenant since, and
-    the release lets go of nothing more.
     """
     if record.swapped and not alive(record):
         log.info("Dropped %s: its processes are gone (and its host memory)", record.tenant)
@@ -104,8 +108,6 @@ def release(
                 f"gated ({err}). Free GPU memory (stop another job) and run `{again}` "
                 f"again, or end the tenant (pids {' '.join(map(str, record.pids))})"
             )
-        if cancelled():
-            return f"kiwid gave up on the release (past its deadline); run `{again}` again"
         try:
             undo.ungate(record)
         except GateError as err:

@@ -30,7 +30,8 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -191,50 +192,74 @@ class StateFile:
 
     # ------------------------------------------------------------ writing
 
-    def put(self, record: GatedRecord, only: GatedRecord | None = None) -> bool:
-        """Record a tenant as (about to be) gated; durable on return.
+    def version(self, tenant: str) -> int:
+        """The version of ``tenant``'s record now (0: there is none)."""
+        record = self._records.get(tenant)
+        return 0 if record is None else record.version
 
-        ``only``: replace its record only if that is still this one (see
-        :meth:`drop`). Returns whether it was written.
+    @contextlib.contextmanager
+    def unchanged(self, record: GatedRecord) -> Iterator[bool]:
+        """Whether ``record`` is still the tenant's (its version), held while the caller acts.
+
+        No write comes in between: a job that thaws what its record says (a fence)
+        does so only if nobody wrote since (a fence frozen beside its hung call).
         """
         with self._write_lock:
-            if only is not None and self._records.get(record.tenant) != only:
-                return False
-            self._write({**self._records, record.tenant: record})
-            return True
+            yield self.version(record.tenant) == record.version
+
+    def put(self, record: GatedRecord, *, expect: int | None = None) -> GatedRecord | None:
+        """Record a tenant as (about to be) gated; durable on return.
+
+        ``expect``: write only if the tenant's record is still at that version (what
+        the writer read; 0: none). Returns the record written (its version the next
+        one), or ``None`` if another wrote since.
+        """
+        with self._write_lock:
+            current = self.version(record.tenant)
+            if expect is not None and current != expect:
+                return None
+            written = replace(record, version=current + 1)
+            self._write({**self._records, record.tenant: written})
+            return written
 
     def update(
-        self, tenant: str, change: Callable[[GatedRecord | None], GatedRecord | None]
-    ) -> bool:
+        self,
+        tenant: str,
+        change: Callable[[GatedRecord | None], GatedRecord | None],
+        *,
+        bump: bool = False,
+    ) -> GatedRecord | None:
         """Write what ``change`` makes of ``tenant``'s record (``None``: leave it as it is).
 
         ``change`` sees the record as it stands, with no other write in between
-        (a swap recording where the memory went is never written over). Durable on
-        return; returns whether it was written.
+        (a swap recording where the memory went is never written over by a follow
+        adding a process). Durable on return; returns the record written, or
+        ``None`` if nothing was. ``bump``: written even if unchanged, so that its
+        version says it was written again (a fence frozen again is news to a job
+        that read the record before).
         """
         with self._write_lock:
-            record = change(self._records.get(tenant))
-            if record is None or record == self._records.get(tenant):
-                return False
-            self._write({**self._records, tenant: record})
-            return True
+            current = self._records.get(tenant)
+            record = change(current)
+            if record is None or (record == current and not bump):
+                return None
+            written = replace(record, version=self.version(tenant) + 1)
+            self._write({**self._records, tenant: written})
+            return written
 
-    def drop(self, tenant: str, only: GatedRecord | None = None) -> bool:
+    def drop(self, tenant: str, *, expect: int | None = None) -> bool:
         """Forget a tenant after it was ungated; durable on return.
 
-        ``only``: drop it only if its record is still this one. A job that let go
-        of what it read must not drop what another wrote since: a fence that froze
-        the tenant while the job's call hung, a gate that came after. Returns
-        whether the record was dropped (or there was none).
+        ``expect``: drop it only if its record is still at that version. A job that
+        let go of what it read must not drop what another wrote since (a fence that
+        froze the tenant while the job's call hung). Returns whether the record was
+        dropped (or there was none).
         """
-        if only is None:
-            self.drop_many((tenant,))
-            return True
         with self._write_lock:
             current = self._records.get(tenant)
             if current is None:
                 return True
-            if current != only:
+            if expect is not None and current.version != expect:
                 return False
             records = dict(self._records)
             del records[tenant]

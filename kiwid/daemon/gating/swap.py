@@ -82,6 +82,10 @@ class Placement(NamedTuple):
     """A process of it runs (unlocked) although it should be gated."""
     detail: str = ""
     """Per process, for the operator (empty when all is as expected)."""
+    on_card: tuple[int, ...] = ()
+    """Its processes whose memory is on the card (locked or running)."""
+    in_host: tuple[int, ...] = ()
+    """Its processes whose memory is in host RAM (checkpointed)."""
 
     @property
     def on_card_gated(self) -> bool:
@@ -203,7 +207,7 @@ def _placement(
         where = Residency.UNKNOWN
     else:
         where = Residency.HOST if in_host else Residency.RESIDENT
-    return Placement(where, bool(runs), "; ".join(parts))
+    return Placement(where, bool(runs), "; ".join(parts), tuple(on_card), tuple(in_host))
 
 
 def _swap_error(what: str, pid: int, err: CudaLockError) -> SwapError:

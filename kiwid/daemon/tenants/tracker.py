@@ -167,6 +167,9 @@ class TenantTracker:
         self._registry_version = 0
         self.gone: dict[str, TenantInfo] = {}
         """Tenants detached by the last poll (the engine takes them for its ledger)."""
+        self.pid_memory: dict[int, dict[str, int]] = {}
+        """Each listed process's memory per GPU by the last poll (absent: not listed, or
+        the driver did not say)."""
 
     def observe(
         self,
@@ -201,8 +204,11 @@ class TenantTracker:
         memory: dict[tuple[str, str], int | None] = {}
         active: set[str] = set()
         seen_pids: set[int] = set()
+        per_pid: dict[int, dict[str, int]] = {}
         for sample in samples:
             for proc in sample.processes:
+                if proc.used_memory_bytes is not None:
+                    per_pid.setdefault(proc.pid, {})[sample.gpu] = proc.used_memory_bytes
                 ident = self._lookup(proc.pid)
                 if ident is None:
                     continue
@@ -216,6 +222,7 @@ class TenantTracker:
                 if proc.pid in sample.active_pids:
                     active.add(ident.key)
         self._listed |= set(pids)
+        self.pid_memory = per_pid
         for tid, reg in self.registered.items():  # containers announced by kiwi-hook
             if tid not in gpus:
                 gpus[tid] = set(reg.gpus)
@@ -244,6 +251,10 @@ class TenantTracker:
             del self._by_pid[pid]
         self._listed &= set(pids)
         return self._diff(pids, gpus, memory, active, now)
+
+    def memory_of(self, pid: int) -> dict[str, int] | None:
+        """A process's memory per GPU by the last poll (``None``: not listed, or unsaid)."""
+        return self.pid_memory.get(pid)
 
     def register(self, reg: Registration) -> None:
         """Announce a container (its names win over what /proc tells)."""

@@ -18,6 +18,9 @@ stand-in libcuda, on real ``cuda_tenant.py`` processes in real cgroups:
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +29,7 @@ import pytest
 
 from kiwid.adapters.cgroups import CgroupLayout
 from kiwid.adapters.cudalock import CudaLock, ProcessState
-from kiwid.core.events import Converged, Gated, MemorySplit, TenantFaulted, Want
+from kiwid.core.events import Converged, Gated, MemorySplit, TenantFaulted, Ungated, Want
 from kiwid.core.model import Fault
 from kiwid.core.residency import Residency
 from kiwid.daemon.engine import converge_jobs, gate_jobs, side_jobs
@@ -58,17 +61,20 @@ V2_ROOT = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified").is_di
 
 @pytest.fixture
 def cgroup() -> Iterator[Path]:
-    """A v2 cgroup of the test's own (the fence freezes it)."""
+    """A v2 cgroup of the test's own (the fence freezes it); emptied and removed after."""
     root = V2_ROOT or Path("/sys/fs/cgroup")
-    path = root / f"kiwi-test-follow-{id(object()):x}"
+    path = root / f"kiwi-test-follow-{uuid.uuid4().hex[:8]}"
     path.mkdir()
     try:
         yield path
     finally:
         with contextlib.suppress(OSError):
             (path / "cgroup.freeze").write_text("0")
-        with contextlib.suppress(OSError):
-            path.rmdir()
+        for pid in (path / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        wait_for(lambda: "populated 0" in (path / "cgroup.events").read_text(), 5, "it empty")
+        path.rmdir()
 
 
 @pytest.fixture
@@ -113,20 +119,40 @@ def spawn(double: DriverDouble, cgroup: Path, **kw: object) -> CudaTenant:
     return double.spawn_tenant(SIZE, cgroup=cgroup, **kw)  # type: ignore[arg-type]
 
 
-def test_a_process_with_no_context_yet_is_locked_once_it_has_one(
+def test_a_tenant_held_before_its_first_cuda_call_is_frozen_until_its_turn(
     double: DriverDouble, tools: Tools, cgroup: Path, tmp_path: Path
 ) -> None:
     # A container held at admission, before its first CUDA call: the lock answers
-    # NOT_INITIALIZED. Its gate holds nothing of it then, and says so; the record
-    # names no process that is not locked. Each poll's follow looks again.
+    # NOT_INITIALIZED, and holds nothing of it. It was recorded as gated, and ran
+    # free: its first context ran beside the holder for its whole wait. Now the
+    # freezer holds it (recorded as a fence, which its let-go thaws); the record
+    # names no process as locked.
     first_call = tmp_path / "first-cuda-call"
     tenant = spawn(double, cgroup, context_when=first_call)
     held = info(cgroup, tenant.pid)
     assert gate_jobs.gate(tools, job(Kind.GATE, held)) == [Gated(KEY, epoch=7)]
-    assert record(tools).pids == (), "named, yet not locked"
-    assert double.state(tenant.pid) is None  # no context: nothing of it on the GPU
+    assert record(tools).pids == (), "named as locked, yet not locked"
+    assert record(tools).fenced and "frozen 1" in (cgroup / "cgroup.events").read_text()
+    first_call.touch()  # it would make its first CUDA call now: frozen, it cannot
     following = want(gated=True, memory=Residency.RESIDENT)
     assert side_jobs.follow(tools, job(Kind.FOLLOW, held, following)) == []
+    assert double.state(tenant.pid) is None
+    assert gate_jobs.ungate(tools, job(Kind.UNGATE, held)) == [Ungated(KEY, epoch=7)]
+    assert "frozen 0" in (cgroup / "cgroup.events").read_text()
+    wait_for(lambda: double.state(tenant.pid) == cudadir.RUNNING, 5, "its context, at its turn")
+
+
+def test_without_a_freezer_a_first_context_is_locked_by_the_next_follow(
+    double: DriverDouble, tools: Tools, cgroup: Path, tmp_path: Path
+) -> None:
+    tools.gate = CudaLockGate(lock(tools), timeout_s=1)  # no fence here
+    first_call = tmp_path / "first-cuda-call"
+    tenant = spawn(double, cgroup, context_when=first_call)
+    held = info(cgroup, tenant.pid)
+    assert gate_jobs.gate(tools, job(Kind.GATE, held)) == [Gated(KEY, epoch=7)]
+    assert record(tools).pids == ()
+    following = want(gated=True, memory=Residency.RESIDENT)
+    assert side_jobs.follow(tools, job(Kind.FOLLOW, held, following)) == []  # still to lock
     first_call.touch()  # its first CUDA call: a context, RUNNING
     wait_for(lambda: double.state(tenant.pid) == cudadir.RUNNING, 5, "its context")
     assert side_jobs.follow(tools, job(Kind.FOLLOW, held, following)) == []

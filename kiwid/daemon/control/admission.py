@@ -26,6 +26,7 @@ from kiwid.core.events import Admitted
 from kiwid.core.model import TenantPolicy
 from kiwid.core.quantity import shown_bytes
 from kiwid.daemon.context import Context
+from kiwid.daemon.engine.executor import Kind
 from kiwid.daemon.gpu_policy import MIB
 from kiwid.daemon.sampling import poll
 from kiwid.daemon.tenants.identify import identity_of_container
@@ -193,7 +194,8 @@ class Admission:
         """Wait (without holding up the loop) until the tenant's gate has been done."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SETTLE_TIMEOUT_S
-        while self._ctx.engine.executor.busy(key) and loop.time() < deadline:
+        executor = self._ctx.engine.executor  # (a follow beside its lane is no gate)
+        while executor.pending(key, Kind.GATE) and loop.time() < deadline:
             await asyncio.sleep(0.005)
 
     async def _hold_after_exec(self, key: str, pid: int, runtime_exe: str) -> None:

@@ -15,10 +15,12 @@ import logging
 
 from kiwid.core.events import Event, Gated, TenantFaulted, Ungated
 from kiwid.daemon.engine.executor import Job
+from kiwid.daemon.engine.side_jobs import freeze
 from kiwid.daemon.engine.tools import Tools, who
 from kiwid.daemon.gating.cudagate import CudaLockGate
 from kiwid.daemon.gating.gates import GateError
 from kiwid.daemon.gating.record import GatedRecord
+from kiwid.daemon.tenants.tracker import TenantInfo
 
 log = logging.getLogger("kiwid.engine")
 
@@ -56,6 +58,8 @@ def gate(tools: Tools, job: Job) -> list[Event]:
             raise
         if held is not None:
             tools.state.update(tenant, lambda r: _naming(r, written, held))
+            if not held:
+                _hold_before_its_first_call(tools, info)
 
     try:
         tools.retrying(attempt, f"the gate of {who(info, tenant)}")
@@ -73,6 +77,22 @@ def gate(tools: Tools, job: Job) -> list[Event]:
         return [fault]
     log.debug("Gated %s", who(info, tenant))
     return [Gated(tenant, epoch=job.epoch)]
+
+
+def _hold_before_its_first_call(tools: Tools, info: TenantInfo) -> None:
+    """No process of it has a CUDA context yet: the freezer holds it until its turn.
+
+    A container held at admission, before its first CUDA call: the lock has nothing
+    to hold (``NOT_INITIALIZED``), and the process would create its context and run
+    beside the holder until the next poll's follow locked it. Frozen, it starts
+    nothing: as admission promises, it waits from its first instruction. Once it
+    has been let go and used the GPU, the lock holds it (its CPU side runs on).
+    """
+    frozen, why = freeze(tools, info, info.key)
+    if frozen:
+        log.info("Froze %s until its turn: no CUDA context of it to lock yet", who(info, info.key))
+    else:  # nothing of it runs on the GPU yet; the follow locks its first context
+        log.info("%s has no CUDA context to lock yet, and cannot be frozen: %s", info.key, why)
 
 
 def _naming(

@@ -92,6 +92,10 @@ def _named(tools: Tools, tenant: str, pid: int, start: int) -> bool:
 def fence(tools: Tools, job: Job) -> list[Event]:
     """Freeze a tenant whose driver call hangs; say whether it is held (``Converged``)."""
     frozen, why = freeze(tools, job.info, job.tenant)
+    if frozen:
+        log.warning("Fenced %s with the cgroup freezer: a call of it hangs", job.tenant)
+    else:
+        log.error("Cannot fence %s with the freezer: %s; it may run", job.tenant, why)
     note = "fenced with the cgroup freezer" if frozen else f"it may run: {why}"
     return [Converged(job.tenant, not frozen, None, note=note, epoch=job.epoch)]
 
@@ -125,7 +129,5 @@ def freeze(tools: Tools, info: TenantInfo | None, tenant: str) -> tuple[bool, st
 
             gate.gate(tools.state.update(tenant, own, bump=True) or _gone(tenant))
     except (GateError, OSError) as err:
-        log.error("Cannot fence %s with the freezer: %s; it may run", tenant, err)
         return False, f"the fence failed: {err}"
-    log.warning("Fenced %s with the cgroup freezer", who(info, tenant))
     return True, ""

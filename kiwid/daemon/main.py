@@ -51,6 +51,14 @@ from kiwid.daemon.tenants.workloads import WorkloadBook
 log = logging.getLogger("kiwid")
 DEFAULT_CONFIG = Path("/etc/kiwi.toml")
 
+# Every form of the command, as the module docstring lists them: argparse's own
+# usage line would show only the daemon's options (the commands have parsers of
+# their own). The indent lines the forms up under the first, after "usage: ".
+USAGE = """\
+%(prog)s [--config PATH]
+       %(prog)s check-config [PATH]
+       %(prog)s recover [--config PATH]"""
+
 EPILOG = """\
 commands:
   (none)         run the daemon in the foreground
@@ -210,12 +218,17 @@ def run(argv: Sequence[str]) -> int:
     """``kiwid [--config PATH]``."""
     parser = argparse.ArgumentParser(
         prog="kiwid",
+        usage=USAGE,
         description="Kiwi's GPU-sharing daemon: exclusive time quanta, round-robin.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--config", type=Path, default=DEFAULT_CONFIG, help="config file (default %(default)s)"
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG,
+        metavar="PATH",
+        help="config file (default %(default)s)",
     )
     parser.add_argument("--version", action="version", version=f"kiwid {__version__}")
     args = parser.parse_args(argv)

@@ -72,8 +72,13 @@ Exit codes: 0 stopped cleanly, 1 runtime failure or tenants left gated,
 """
 
 
-def make_backend(settings: Settings) -> GpuBackend:
+def make_backend(settings: Settings, config_path: Path = DEFAULT_CONFIG) -> GpuBackend:
     """Open the configured GPU backend.
+
+    Args:
+        settings: The loaded configuration.
+        config_path: The file it came from, which the hint for a machine without a
+            GPU names.
 
     Raises:
         DriverUnavailable: ``nvml`` was asked for and the driver is not usable.
@@ -87,7 +92,7 @@ def make_backend(settings: Settings) -> GpuBackend:
         )
     from kiwid.adapters.nvml import NvmlBackend  # noqa: PLC0415 - loads libnvidia-ml lazily
 
-    backend = NvmlBackend()
+    backend = NvmlBackend(config=config_path)
     backend.devices()  # fail now, with the HINT, rather than at the first poll
     return backend
 
@@ -240,7 +245,7 @@ def run(argv: Sequence[str]) -> int:
         return STARTUP_FAILURE
     setup_logging(loaded.settings.daemon.log_level)
     try:
-        backend = make_backend(loaded.settings)
+        backend = make_backend(loaded.settings, args.config)
     except DriverUnavailable as err:
         log.error("Cannot start: %s", err)
         return STARTUP_FAILURE

@@ -76,3 +76,8 @@ def test_a_priority_is_clamped_to_the_nearest_bound(priority: float, within: int
     clamped = TenantPolicy.clamp_priority(priority)
     assert (clamped, type(clamped)) == (within, int)
     assert TenantPolicy.priority_refusal(clamped) is None
+
+
+def test_nan_has_no_nearest_priority() -> None:
+    with pytest.raises(ValueError, match=f"^{PRIORITY_RANGE}, not nan$"):
+        TenantPolicy.clamp_priority(float("nan"))

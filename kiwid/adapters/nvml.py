@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pynvml
@@ -29,17 +30,18 @@ __all__ = ["NvmlBackend", "translate_error"]
 
 log = logging.getLogger(__name__)
 
-_SIM_HINT = 'On a machine without a GPU set [gpu] backend = "sim" in /etc/kiwi.toml'
+DEFAULT_CONFIG = Path("/etc/kiwi.toml")
+"""The config file the hint for a machine without a GPU names, unless told another."""
 
 # NVML error code -> (reason, hint) for errors that make the whole backend unusable.
 _FATAL: dict[int, tuple[str, str]] = {
     pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: (
         "the NVML library libnvidia-ml.so.1 was not found",
-        "is the NVIDIA driver installed and loaded (nvidia-smi works)? " + _SIM_HINT,
+        "is the NVIDIA driver installed and loaded (nvidia-smi works)?",
     ),
     pynvml.NVML_ERROR_DRIVER_NOT_LOADED: (
         "the NVIDIA kernel driver is not loaded",
-        "load it (modprobe nvidia) and check that nvidia-smi works. " + _SIM_HINT,
+        "load it (modprobe nvidia) and check that nvidia-smi works.",
     ),
     pynvml.NVML_ERROR_NO_PERMISSION: (
         "NVML denied access",
@@ -58,6 +60,9 @@ _FATAL: dict[int, tuple[str, str]] = {
         "upgrade the NVIDIA driver (r535 or newer)",
     ),
 }
+# The fatal errors of a machine that may have no GPU at all: their hint goes on to
+# the simulated backend, in the config file kiwid was started with.
+_NO_GPU = frozenset({pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED})
 # NVML error codes that mean "this GPU is unusable".
 _LOST = frozenset(
     {pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED, pynvml.NVML_ERROR_UNKNOWN}
@@ -72,13 +77,17 @@ _RUNNING_PROCESSES = (
 _UTILIZATION_RETRIES = 2
 
 
-def translate_error(err: Exception, what: str, index: int | None = None) -> GpuBackendError:
+def translate_error(
+    err: Exception, what: str, index: int | None = None, *, config: Path = DEFAULT_CONFIG
+) -> GpuBackendError:
     """Translate a ``pynvml.NVMLError`` into a Kiwi GPU backend error.
 
     Args:
         err: The error pynvml raised.
         what: The operation that failed, for the message (e.g. ``"nvmlInit"``).
         index: The GPU the operation was about, or ``None`` for library-wide calls.
+        config: The config file in use: where the hint for a machine without a GPU
+            says to choose the simulated backend.
 
     Returns:
         :class:`DriverUnavailable` for a missing library, unloaded driver, missing
@@ -89,6 +98,8 @@ def translate_error(err: Exception, what: str, index: int | None = None) -> GpuB
     code = getattr(err, "value", None)
     if code in _FATAL:
         reason, hint = _FATAL[code]
+        if code in _NO_GPU:
+            hint += f' On a machine without a GPU set [gpu] backend = "sim" in {config}'
         return DriverUnavailable(f"{what}: {reason} ({err})", hint)
     if index is not None and code in _LOST:
         return GpuLost(index, f"{what}: {err}")
@@ -103,12 +114,18 @@ class NvmlBackend:
         wall_clock: Returns wall-clock seconds since the epoch. NVML stamps its
             utilisation samples with CPU wall-clock microseconds, so this (and not a
             monotonic clock) is what :meth:`active_pids` needs.
+        config: The config file in use, which the hint of a
+            :class:`~kiwid.adapters.gpu.DriverUnavailable` names where the machine
+            may have no GPU.
     """
 
     name = "nvml"
 
-    def __init__(self, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, wall_clock: Callable[[], float] = time.time, *, config: Path = DEFAULT_CONFIG
+    ) -> None:
         self._wall_clock = wall_clock
+        self._config = config
         self._lock = threading.Lock()
         self._initialised = False
         self._handles: dict[int, Any] = {}
@@ -127,7 +144,7 @@ class NvmlBackend:
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as err:
-            raise translate_error(err, "nvmlInit") from err
+            raise translate_error(err, "nvmlInit", config=self._config) from err
         self._initialised = True
         atexit.register(self.close)
         try:
@@ -150,7 +167,9 @@ class NvmlBackend:
             try:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             except pynvml.NVMLError as err:
-                raise translate_error(err, "nvmlDeviceGetHandleByIndex", index) from err
+                raise translate_error(
+                    err, "nvmlDeviceGetHandleByIndex", index, config=self._config
+                ) from err
             self._handles[index] = handle
         return handle
 
@@ -176,7 +195,7 @@ class NvmlBackend:
         except pynvml.NVMLError as err:
             if err.value == none_on:
                 return None
-            translated = translate_error(err, what, index)
+            translated = translate_error(err, what, index, config=self._config)
             if isinstance(translated, GpuLost):
                 self._handles.pop(index, None)
             raise translated from err
@@ -198,7 +217,7 @@ class NvmlBackend:
             try:
                 count = int(pynvml.nvmlDeviceGetCount())
             except pynvml.NVMLError as err:
-                raise translate_error(err, "nvmlDeviceGetCount") from err
+                raise translate_error(err, "nvmlDeviceGetCount", config=self._config) from err
             found: list[DeviceInfo] = []
             for index in range(count):
                 try:

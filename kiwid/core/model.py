@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -64,7 +65,9 @@ class TenantPolicy:
     The range of a weight and a priority lives here and only here: the config
     rules, ``register``, kiwi-hook and ``kiwictl set-weight``/``set-priority`` all
     ask :meth:`weight_refusal` and :meth:`priority_refusal`, so that a value one of
-    them takes is taken by all, and refused by all in the same words.
+    them takes is taken by all, and refused by all in the same words. kiwi-hook,
+    which warns rather than refuse, brings a pod's value within the range with
+    :meth:`clamp_weight` and :meth:`clamp_priority`.
 
     Attributes:
         weight: Its quantum is ``TQ x weight``; with everyone saturating, long-run
@@ -126,6 +129,34 @@ class TenantPolicy:
         ):
             return None
         return f"priority must be {TenantPolicy.PRIORITY_RANGE}, not {_shown(priority)}"
+
+    @staticmethod
+    def clamp_weight(weight: float) -> float:
+        """The weight in range nearest to ``weight``.
+
+        kiwi-hook asks for it when a pod's annotation asks for one out of range,
+        rather than refusing the container.
+
+        Raises:
+            ValueError: ``weight`` is NaN, nearest to nothing.
+        """
+        if math.isnan(weight):
+            raise ValueError(TenantPolicy.weight_refusal(weight))
+        return min(max(weight, TenantPolicy.MIN_WEIGHT), TenantPolicy.MAX_WEIGHT)
+
+    @staticmethod
+    def clamp_priority(priority: float) -> int:
+        """The priority in range nearest to ``priority``, as :meth:`clamp_weight`.
+
+        Args:
+            priority: An integer, or an infinity for one too long to read.
+
+        Raises:
+            ValueError: ``priority`` is NaN, nearest to nothing.
+        """
+        if math.isnan(priority):
+            raise ValueError(TenantPolicy.priority_refusal(priority))
+        return int(min(max(priority, TenantPolicy.MIN_PRIORITY), TenantPolicy.MAX_PRIORITY))
 
     def __post_init__(self) -> None:
         """Reject values the scheduler cannot honour.

@@ -51,6 +51,14 @@ from kiwid.daemon.tenants.workloads import WorkloadBook
 log = logging.getLogger("kiwid")
 DEFAULT_CONFIG = Path("/etc/kiwi.toml")
 
+# Every form of the command, as the module docstring lists them: argparse's own
+# usage line would show only the daemon's options (the commands have parsers of
+# their own). The indent lines the forms up under the first, after "usage: ".
+USAGE = """\
+%(prog)s [--config PATH]
+       %(prog)s check-config [PATH]
+       %(prog)s recover [--config PATH]"""
+
 EPILOG = """\
 commands:
   (none)         run the daemon in the foreground
@@ -64,8 +72,13 @@ Exit codes: 0 stopped cleanly, 1 runtime failure or tenants left gated,
 """
 
 
-def make_backend(settings: Settings) -> GpuBackend:
+def make_backend(settings: Settings, config_path: Path = DEFAULT_CONFIG) -> GpuBackend:
     """Open the configured GPU backend.
+
+    Args:
+        settings: The loaded configuration.
+        config_path: The file it came from, which the hint for a machine without a
+            GPU names.
 
     Raises:
         DriverUnavailable: ``nvml`` was asked for and the driver is not usable.
@@ -79,7 +92,7 @@ def make_backend(settings: Settings) -> GpuBackend:
         )
     from kiwid.adapters.nvml import NvmlBackend  # noqa: PLC0415 - loads libnvidia-ml lazily
 
-    backend = NvmlBackend()
+    backend = NvmlBackend(config=config_path)
     backend.devices()  # fail now, with the HINT, rather than at the first poll
     return backend
 
@@ -211,12 +224,17 @@ def run(argv: Sequence[str]) -> int:
     """``kiwid [--config PATH]``."""
     parser = argparse.ArgumentParser(
         prog="kiwid",
+        usage=USAGE,
         description="Kiwi's GPU-sharing daemon: exclusive time quanta, round-robin.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--config", type=Path, default=DEFAULT_CONFIG, help="config file (default %(default)s)"
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG,
+        metavar="PATH",
+        help="config file (default %(default)s)",
     )
     parser.add_argument("--version", action="version", version=f"kiwid {__version__}")
     args = parser.parse_args(argv)
@@ -228,7 +246,7 @@ def run(argv: Sequence[str]) -> int:
         return STARTUP_FAILURE
     setup_logging(loaded.settings.daemon.log_level)
     try:
-        backend = make_backend(loaded.settings)
+        backend = make_backend(loaded.settings, args.config)
     except DriverUnavailable as err:
         log.error("Cannot start: %s", err)
         return STARTUP_FAILURE

@@ -33,6 +33,9 @@ PRIORITY_ANNOTATION = "kiwi.io/priority"
 MEMORY_ANNOTATION = "kiwi.io/gpu-memory"
 _NUMBER = re.compile(r"\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 _INTEGER = re.compile(r"[-+]?[0-9]+")
+# A priority with more digits reads as infinite, as a weight too large for a float
+# does: int() refuses thousands of digits, and the warning names the number read.
+_PRIORITY_DIGITS = 40
 _MAX_CONFIG_BYTES = 8 * 1024 * 1024
 _PROC = Path("/proc")
 
@@ -191,7 +194,7 @@ def _weight(value: str | None) -> tuple[float | None, str | None]:
     Returns:
         ``(None, None)`` without the annotation; ``(None, why)`` for one that is not a
         positive decimal number; ``(weight, why)`` for one brought within the range
-        kiwid takes (``TenantPolicy``'s); else ``(weight, None)``.
+        kiwid takes (``TenantPolicy``'s, ``why`` in its words); else ``(weight, None)``.
     """
     if value is None:
         return None, None
@@ -199,13 +202,11 @@ def _weight(value: str | None) -> tuple[float | None, str | None]:
     weight = float(text) if _NUMBER.fullmatch(text) else math.nan
     if not weight > 0:  # not a number, or zero
         return None, f"ignoring {WEIGHT_ANNOTATION}={_shown(value)}: not a positive number"
-    within = min(max(weight, TenantPolicy.MIN_WEIGHT), TenantPolicy.MAX_WEIGHT)
-    if within != weight:
-        return within, (
-            f"{WEIGHT_ANNOTATION}={_shown(value)}: weight must be {TenantPolicy.WEIGHT_RANGE}; "
-            f"asking for {within:g}"
-        )
-    return weight, None
+    within = TenantPolicy.clamp_weight(weight)
+    refusal = TenantPolicy.weight_refusal(weight)
+    if refusal is None:
+        return within, None
+    return within, f"{WEIGHT_ANNOTATION}={_shown(value)}: {refusal}; asking for {within:g}"
 
 
 def _shown(value: str, limit: int = 40) -> str:
@@ -219,24 +220,21 @@ def _priority(value: str | None) -> tuple[int | None, str | None]:
     Returns:
         ``(None, None)`` without the annotation; ``(None, why)`` for one that is not a
         decimal integer; ``(priority, why)`` for one brought within the range kiwid
-        takes; else ``(priority, None)``.
+        takes (``TenantPolicy``'s, ``why`` in its words); else ``(priority, None)``.
     """
     if value is None:
         return None, None
     text = value.strip()
     if not _INTEGER.fullmatch(text):
         return None, f"ignoring {PRIORITY_ANNOTATION}={_shown(value)}: not an integer"
-    # int() of a long enough string raises (sys.set_int_max_str_digits): out of range.
     digits = text.lstrip("+-").lstrip("0")
-    priority = int(digits or "0") if len(digits) <= 9 else 10**9
-    priority = -priority if text.startswith("-") else priority
-    within = min(max(priority, TenantPolicy.MIN_PRIORITY), TenantPolicy.MAX_PRIORITY)
-    if within != priority:
-        return within, (
-            f"{PRIORITY_ANNOTATION}={_shown(value)}: priority must be "
-            f"{TenantPolicy.PRIORITY_RANGE}; asking for {within}"
-        )
-    return priority, None
+    read: float = int(digits or "0") if len(digits) <= _PRIORITY_DIGITS else math.inf
+    priority = -read if text.startswith("-") else read
+    within = TenantPolicy.clamp_priority(priority)
+    refusal = TenantPolicy.priority_refusal(priority)
+    if refusal is None:
+        return within, None
+    return within, f"{PRIORITY_ANNOTATION}={_shown(value)}: {refusal}; asking for {within}"
 
 
 def _first(annotations: Mapping[str, str], keys: Sequence[str]) -> str | None:

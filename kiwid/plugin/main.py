@@ -71,8 +71,14 @@ def plugin_config(settings: Settings, device_plugin_dir: str | None = None) -> P
     )
 
 
-def _make_backend(settings: Settings) -> GpuBackend:
-    """The configured GPU backend (only its device list and health are used)."""
+def _make_backend(settings: Settings, config_path: Path) -> GpuBackend:
+    """The configured GPU backend (only its device list and health are used).
+
+    Args:
+        settings: The loaded configuration.
+        config_path: The file it came from, which the hint for a machine without a
+            GPU names.
+    """
     if settings.gpu.backend == "sim":
         from kiwid.adapters.sim import SimBackend  # noqa: PLC0415 - only when asked for
 
@@ -82,7 +88,7 @@ def _make_backend(settings: Settings) -> GpuBackend:
         )
     from kiwid.adapters.nvml import NvmlBackend  # noqa: PLC0415 - loads libnvidia-ml lazily
 
-    return NvmlBackend()
+    return NvmlBackend(config=config_path)
 
 
 @contextmanager
@@ -136,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("Cannot start: %s", exc)
         return EXIT_STARTUP
     logging.getLogger().setLevel(settings.daemon.log_level.upper())
-    backend = _make_backend(settings)
+    backend = _make_backend(settings, args.config)
     try:
         devices = backend.devices()
     except (DriverUnavailable, GpuBackendError) as exc:

@@ -48,6 +48,8 @@ from kiwid.adapters.deviceplugin.server import (
 )
 from kiwid.adapters.gpu import DeviceInfo, DriverUnavailable, GpuBackendError, GpuLost, GpuProcess
 from kiwid.adapters.sim import SimBackend
+from tests.stand_ins import DIRECTORY as STANDINS
+from tests.stand_ins import NVML_MACHINE
 
 REPO = Path(__file__).resolve().parents[2]
 UUID0, UUID1 = "GPU-sim-000000000000", "GPU-sim-000000000001"
@@ -676,3 +678,26 @@ def test_kiwi_device_plugin_with_a_broken_config_fails_at_start(plugin_dir: Path
     assert out.returncode == 3
     assert "replicas" in out.stderr
     assert os.listdir(plugin_dir) == ["kiwi.toml"]
+
+
+def test_kiwi_device_plugin_without_a_gpu_names_its_config_file(plugin_dir: Path) -> None:
+    config = plugin_dir / "node.toml"  # not /etc/kiwi.toml
+    config.write_text(
+        f'[gpu]\nbackend = "nvml"\n[kubernetes]\ndevice_plugin_dir = "{plugin_dir}"\n'
+    )
+    # The stand-in pynvml without a machine file: no libnvidia-ml.so.1, as on a machine
+    # without a GPU.
+    path = os.pathsep.join(filter(None, [str(STANDINS), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    env.pop(NVML_MACHINE, None)
+    out = subprocess.run(
+        [sys.executable, "-m", "kiwid.plugin.main", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env=env,
+    )
+    assert out.returncode == 3, out.stderr
+    assert f'set [gpu] backend = "sim" in {config}\n' in out.stderr
+    assert "/etc/kiwi.toml" not in out.stderr

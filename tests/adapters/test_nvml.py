@@ -144,6 +144,23 @@ def test_unusable_driver_translates_to_driver_unavailable(code: int, hint_words:
 
 
 @pytest.mark.parametrize(
+    ("code", "sim"),
+    [
+        (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, True),
+        (pynvml.NVML_ERROR_DRIVER_NOT_LOADED, True),
+        (pynvml.NVML_ERROR_NO_PERMISSION, False),  # a GPU is there: the sim is no answer
+    ],
+)
+def test_the_sim_hint_names_the_config_file_in_use(code: int, sim: bool) -> None:
+    config = Path("/srv/node/kiwi.toml")
+    err = translate_error(pynvml.NVMLError(code), "nvmlInit", config=config)
+    default = translate_error(pynvml.NVMLError(code), "nvmlInit")
+    assert isinstance(err, DriverUnavailable) and isinstance(default, DriverUnavailable)
+    assert err.hint.endswith(f' set [gpu] backend = "sim" in {config}') is sim
+    assert default.hint.endswith(' set [gpu] backend = "sim" in /etc/kiwi.toml') is sim
+
+
+@pytest.mark.parametrize(
     "code",
     [pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED, pynvml.NVML_ERROR_UNKNOWN],
 )

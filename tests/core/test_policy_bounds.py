@@ -52,3 +52,32 @@ def test_the_bounds_themselves_are_accepted() -> None:
         assert TenantPolicy.weight_refusal(good) is None
     for good_priority in (-1000, 0, 1000):
         assert TenantPolicy.priority_refusal(good_priority) is None
+
+
+@pytest.mark.parametrize(
+    ("weight", "within"),
+    [(0.001, 0.01), (0.0, 0.01), (5000, 1000.0), (float("inf"), 1000.0), (0.5, 0.5), (1000, 1000)],
+)
+def test_a_weight_is_clamped_to_the_nearest_bound(weight: float, within: float) -> None:
+    assert TenantPolicy.clamp_weight(weight) == within
+    assert TenantPolicy.weight_refusal(TenantPolicy.clamp_weight(weight)) is None
+
+
+def test_nan_has_no_nearest_weight() -> None:
+    with pytest.raises(ValueError, match=f"^{WEIGHT_RANGE}, not nan$"):
+        TenantPolicy.clamp_weight(float("nan"))
+
+
+@pytest.mark.parametrize(
+    ("priority", "within"),
+    [(1001, 1000), (-(10**30), -1000), (float("inf"), 1000), (float("-inf"), -1000), (7, 7)],
+)
+def test_a_priority_is_clamped_to_the_nearest_bound(priority: float, within: int) -> None:
+    clamped = TenantPolicy.clamp_priority(priority)
+    assert (clamped, type(clamped)) == (within, int)
+    assert TenantPolicy.priority_refusal(clamped) is None
+
+
+def test_nan_has_no_nearest_priority() -> None:
+    with pytest.raises(ValueError, match=f"^{PRIORITY_RANGE}, not nan$"):
+        TenantPolicy.clamp_priority(float("nan"))

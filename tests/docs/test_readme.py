@@ -1,16 +1,22 @@
 """README.md is true: its ``sh test`` blocks run, its links stay inside the
 repository, and its layout names every package.
 
-Each block marked with the info string ``sh test`` runs on its own in bash (``-e``,
-``-u``, ``pipefail``) from the repository root, as a reader would paste it, on the
-simulated GPU. A block must clean up after itself.
+Each block marked with the info string ``sh test`` runs on its own from the
+repository root, as a reader would paste it, on the simulated GPU: in bash (``-e``,
+``-u``, ``pipefail``) and in dash (``-e``, ``-u``), Debian's ``sh``. A block must
+clean up after itself: nothing it started may be left running.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import shutil
+import signal
 import subprocess
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -31,25 +37,81 @@ def test_the_readme_has_blocks_to_run() -> None:
     assert len(blocks()) >= 2
 
 
+# How a reader runs a block. Debian's sh is dash, which runs a script without job
+# control: a block that stops its kiwid with `kill %1` works in bash only.
+SHELLS = {
+    "bash": ["bash", "-euo", "pipefail", "-c"],
+    "dash": ["dash", "-eu", "-c"],
+}
+
+
+def _session_members(session: int) -> list[str]:
+    """The live processes of a session (zombies aside), as ``pid: command line``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").strip()
+        except OSError:
+            continue  # it ended while we looked
+        # After the command's name: state, ppid, process group, session.
+        if fields[0] != "Z" and int(fields[3]) == session:
+            members.append(f"{stat.parent.name}: {command.decode(errors='replace')}")
+    return members
+
+
+def run_block(argv: list[str], output: IO[str]) -> tuple[int, list[str]]:
+    """Run a block as a reader's shell would, and see what it leaves running.
+
+    The shell leads a session of its own, so every process the block starts is in
+    that session unless it leaves it on purpose; a background job of a shell
+    without job control also stays in the shell's process group.
+
+    Args:
+        argv: The shell's command line, the block last.
+        output: Where the block's stdout and stderr go: a file, not a pipe, which a
+            process left behind would hold open.
+
+    Returns:
+        The shell's exit status, and the processes the block left running
+        (``pid: command line``), which are killed now.
+    """
+    shell = subprocess.Popen(
+        argv, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        returncode = shell.wait(timeout=280)
+    finally:
+        shell.poll()  # reaped if it ended: a live shell would count as left running
+        left = _session_members(shell.pid)
+        if left:
+            # The group outlives its leader while members remain: its id is not reused.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
+    return returncode, left
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("shell", SHELLS)
 @pytest.mark.parametrize("index", range(len(blocks())))
-def test_readme_block_runs(index: int) -> None:
+def test_readme_block_runs(index: int, shell: str, tmp_path: Path) -> None:
+    argv = SHELLS[shell]
+    if shutil.which(argv[0]) is None:
+        pytest.skip(f"{argv[0]} is not installed")
     block = blocks()[index]
-    done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", block],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert done.returncode == 0, f"{block}\n--- exit {done.returncode}\n{done.stdout}{done.stderr}"
+    with (tmp_path / "output").open("w+") as output:
+        returncode, left = run_block([*argv, block], output)
+        output.seek(0)
+        said = output.read()
+    assert returncode == 0, f"{block}\n--- exit {returncode}\n{said}"
+    assert not left, f"{block}\n--- left running in {shell}: {left}\n{said}"
     if "scripts/demo" in block:
-        assert "whole rotation" in done.stdout, done.stdout
+        assert "whole rotation" in said, said
     if "kiwictl -T 20" in block:
-        assert "Successfully set the scheduler TQ to 20 seconds" in done.stdout, done.stdout
-        assert "GPU 0" in done.stdout and "20" in done.stdout, done.stdout
+        assert "Successfully set the scheduler TQ to 20 seconds" in said, said
+        assert "GPU 0" in said and "20" in said, said
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kiwid.core.model import TenantPolicy
 from kiwid.hook.main import ContainerInfo, MalformedState, container_info, parse_state
 
 HOOK = [sys.executable, "-m", "kiwid.hook.main"]
@@ -332,30 +334,34 @@ RANGES = {  # the core's words (TenantPolicy), as kiwid's config, register and k
     "weight": "weight must be a number from 0.01 to 1000",
     "priority": "priority must be an integer from -1000 to 1000",
 }
+REFUSALS = {"weight": TenantPolicy.weight_refusal, "priority": TenantPolicy.priority_refusal}
 
 
 @pytest.mark.parametrize(
-    ("annotation", "value", "sent"),
+    ("annotation", "value", "read", "sent"),
     [
-        ("weight", "5000", 1000.0),
-        ("weight", "1000.5", 1000.0),
-        ("weight", "1e400", 1000.0),  # overflows a float: as large as can be
-        ("weight", "0.001", 0.01),
-        ("priority", "1001", 1000),
-        ("priority", "-5000", -1000),
-        ("priority", "99999999999999999999999", 1000),
-        ("priority", "-" + "9" * 5000, -1000),  # longer than int() takes
+        ("weight", "5000", 5000.0, 1000.0),
+        ("weight", "1000.5", 1000.5, 1000.0),
+        ("weight", "1e400", math.inf, 1000.0),  # overflows a float: as large as can be
+        ("weight", "0.001", 0.001, 0.01),
+        ("priority", "1001", 1001, 1000),
+        ("priority", "-5000", -5000, -1000),
+        ("priority", "99999999999999999999999", 99999999999999999999999, 1000),
+        ("priority", "-" + "9" * 5000, -math.inf, -1000),  # longer than int() takes
     ],
 )
-def test_an_annotation_out_of_kiwids_range_is_brought_within_it(
-    tmp_path: Path, annotation: str, value: str, sent: float
+def test_an_annotation_out_of_kiwids_range_is_brought_within_it_in_kiwids_words(
+    tmp_path: Path, annotation: str, value: str, read: float, sent: float
 ) -> None:
     info = policy_info(tmp_path, **{annotation: value})
 
     assert info.register_args(hold=True)[annotation] == sent
     (problem,) = info.problems
     shown = repr(value if len(value) <= 40 else value[:40] + "...")
-    assert problem == f"kiwi.io/{annotation}={shown}: {RANGES[annotation]}; asking for {sent:g}"
+    # What kiwid would say refusing the number, then what the hook asks for instead.
+    refusal = REFUSALS[annotation](read)
+    assert refusal is not None and refusal.startswith(f"{RANGES[annotation]}, not ")
+    assert problem == f"kiwi.io/{annotation}={shown}: {refusal}; asking for {sent:g}"
     assert len(problem) < 200  # a huge value is cut short in the warning
 
 

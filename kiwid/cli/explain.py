@@ -16,6 +16,7 @@ from typing import Any
 
 from kiwid.adapters.control import request
 from kiwid.cli.fault_text import blocked_sentence, released_sentence, stuck_sentence
+from kiwid.cli.handover_text import handover_sentence
 from kiwid.cli.lookup import AmbiguousTenant, TenantNotFound, collect_tenants, find_tenant
 from kiwid.cli.memory_text import declared_sentence, remembered_sentence
 from kiwid.cli.policy_text import policy_sentence, preemption_sentence, rank_label
@@ -101,6 +102,7 @@ def _gpu_facts(t: Mapping[str, Any], gpu: Mapping[str, Any]) -> Json:
         "ledger": t["ledgers"].get(gid),
         "handover_waits_for": gpu.get("handover_waits_for"),
         "blocked_by": gpu.get("blocked_by"),
+        "handover": gpu.get("handover"),
     }
     # Who holds it and who is ahead, with their priority (``priority 2 tenant X``).
     on_gpu = {str(o.get("id")): o for o in gpu.get("tenants") or []}
@@ -301,6 +303,9 @@ def explain_text(facts: Json) -> str:
                 parts.append(f"{who} is {str(state).upper()} on GPU {f['gpu']}.")
             if f.get("blocked_by") not in (None, t["id"]) and state in ("waiting", "holder"):
                 parts.append(blocked_sentence(str(f["blocked_by"]), str(f["gpu"])))
+            handover = f.get("handover") or {}
+            if t["id"] in (handover.get("to"), handover.get("from")):
+                parts.append(handover_sentence(str(f["gpu"]), handover))
         if not facts["gpus"] and state not in ("stuck", "released"):
             parts.append(f"{who} is {str(state).upper()} and uses no GPU kiwid knows.")
         if len(facts["gpus"]) > 1:

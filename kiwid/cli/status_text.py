@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kiwid.cli.fault_text import fault_clause
+from kiwid.cli.handover_text import handover_line
 
 __all__ = ["format_number", "format_status", "format_tenants"]
 
@@ -69,7 +70,11 @@ def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
             )
         else:
             when = f"{left:.1f} s left"
-        lines.append(f"  holder   {holder['tenant']} for {holder['since_s']:.1f} s, {when}")
+        since = holder.get("since_s")
+        if since is None:  # granted, its quantum not begun: its hand-over is under way
+            lines.append(f"  holder   {holder['tenant']}, granted, not running yet")
+        else:
+            lines.append(f"  holder   {holder['tenant']} for {since:.1f} s, {when}")
     if not waiters:
         lines.append("  waiters  none")
     for i, w in enumerate(waiters):
@@ -80,6 +85,7 @@ def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
         lines.append(
             f"{label}{w['position']}. {w['tenant']} waiting {w['waiting_s']:.1f} s{unbounded}"
         )
+    lines += handover_line(gpu.get("handover"))
     lines += _stuck_lines(gpu)
     swaps = gpu.get("swaps")
     if swaps is None:  # an older kiwid: one swap at most

@@ -68,6 +68,7 @@ def ungated(
         tenant.turn.window_at = now
         if tenant.state is S.HOLDER:
             tenant.turn.granted_at = now
+            table.end_handover(tenant)  # it runs: the hand-over is done
     return set(tenant.gpus)
 
 

@@ -20,6 +20,7 @@ import math
 
 from kiwid.core import memory
 from kiwid.core.events import Action, SwapIn, SwapOut
+from kiwid.core.handover import Phase
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.residency import Move, Residency, move
 from kiwid.core.states import Trigger
@@ -64,7 +65,10 @@ def start_holder(
     now: float,
     actions: list[Action],
 ) -> None:
-    """A granted holder, still gated: room first, then its memory, then let it go."""
+    """A granted holder, still gated: room first, then its memory, then let it go.
+
+    Each step names the phase of its hand-over (:mod:`kiwid.core.handover`).
+    """
     if table.overdue(t):  # its own move hangs: the next one goes first
         late = now - t.memory.move_due
         t.turn.waiting_for = (
@@ -75,6 +79,7 @@ def start_holder(
         t.seq = table.front_seq()  # first again once its move ends
         return
     if t.memory.residency.moving:
+        table.handover_phase(t, Phase.RESTORING)
         return  # its own swap ends first (a SwapFinished brings us back)
     gpus = t.gpus & gating
     missing = shortfall(table, t, gpus, whole_card=True)
@@ -91,6 +96,7 @@ def start_holder(
             o.id for g in gpus for o in table.members(g) if o.memory.residency is R.SWAPPING_OUT
         ]
         if planned or leaving:
+            table.handover_phase(t, Phase.ROOM)
             t.turn.waiting_for = f"room being made on GPU {','.join(sorted(gpus))}: " + (
                 f"{', '.join(sorted(set(leaving)))} swapping out" if leaving else "swap-outs asked"
             )
@@ -100,6 +106,7 @@ def start_holder(
         if short:
             _step_aside(table, t, f"{_no_room(table, t, short)}; the rest cannot leave", now)
             return
+        table.handover_phase(t, Phase.RESTORING)
         low = free_short(table, t, gpus)
         if low is None:
             _restore(table, t, actions)
@@ -116,8 +123,10 @@ def start_holder(
     t.turn.free_wait_since = None
     other = table.in_the_way(t, gpus)
     if other is not None:  # never two at once: it goes once the other one is gated
+        table.handover_phase(t, Phase.GATING)
         t.turn.waiting_for = _in_the_way(other, gpus)
         return
+    table.handover_phase(t, Phase.LETTING_GO)
     table.let_go(t, now, actions)
 
 

@@ -281,5 +281,7 @@ def _grant(table: TenantTable, t: TenantRecord, now: float) -> None:
     """Its turn: it holds its GPUs (a gated one is let go once its memory is there)."""
     table.set_state(t, Trigger.GRANTED, now)
     t.turn.granted_at = None if t.gated else now  # a co-runner already runs
+    if t.gated:
+        table.begin_handover(t, t.gpus & table.gating(t.gpus), now)
     if t.memory.residency is R.PREFETCHING:
         t.memory.residency = move(t.memory.residency, Move.GRANTED)

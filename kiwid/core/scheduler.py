@@ -269,6 +269,7 @@ class Scheduler:
         gone = self._t.tenants.pop(e.tenant, None)
         if gone is None:
             return set()
+        self._t.end_handover(gone)
         self._t.unindex(gone)
         return set(gone.gpus)
 

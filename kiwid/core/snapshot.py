@@ -10,7 +10,14 @@ from kiwid.core.model import GpuId, TenantId, TenantState
 from kiwid.core.residency import Residency
 from kiwid.core.table import TenantTable
 from kiwid.core.tenant import TenantRecord
-from kiwid.core.view import FaultView, GpuView, SchedulerView, TenantView, WaiterView
+from kiwid.core.view import (
+    FaultView,
+    GpuView,
+    HandoverView,
+    SchedulerView,
+    TenantView,
+    WaiterView,
+)
 
 S = TenantState
 R = Residency
@@ -60,6 +67,7 @@ def view(table: TenantTable, now: float) -> SchedulerView:
                         if t.gated and (gpu not in gating or t.state is S.STUCK)
                     )
                 ),
+                handover=_handover(table, gpu),
             )
         )
     tenants = tuple(
@@ -92,6 +100,13 @@ def view(table: TenantTable, now: float) -> SchedulerView:
         for t in sorted(table.tenants.values(), key=lambda t: t.id)
     )
     return SchedulerView(now=now, gpus=tuple(gpus), tenants=tenants)
+
+
+def _handover(table: TenantTable, gpu: GpuId) -> HandoverView | None:
+    h = table.handovers.get(gpu)
+    if h is None:
+        return None
+    return HandoverView(h.to, h.from_, h.since, h.phase.value if h.phase else None)
 
 
 def _fault(tenant: TenantRecord) -> FaultView | None:

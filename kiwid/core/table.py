@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kiwid.core.events import Action, Converge, Fence, Gate, Ungate
+from kiwid.core.handover import Handover, Phase, step
 from kiwid.core.lever import Pull, pull
 from kiwid.core.memory import HostMemory
 from kiwid.core.model import GpuId, GpuPolicy, Mode, TenantId, TenantState
@@ -60,6 +61,10 @@ class TenantTable:
         self.free_seen: dict[GpuId, int] = {}
         """Per GPU, its free memory by the driver's last reading (bytes)."""
         self.host = HostMemory()
+        self.handovers: dict[GpuId, Handover] = {}
+        """Per GPU, the hand-over under way: granted, not running yet."""
+        self.last_holder: dict[GpuId, TenantId] = {}
+        """Per GPU, who held it last (the one a hand-over is from)."""
         self.changes = 0
         """Bumped by every state change: a pass that saw none can reuse what it counted."""
         self._seq = itertools.count()
@@ -321,6 +326,9 @@ class TenantTable:
         elif trigger is Trigger.IDLE_TIMEOUT and leaving_hold:
             ledger.early_releases += 1
         if leaving_hold:
+            self.end_handover(tenant)
+            for gpu in tenant.gpus:
+                self.last_holder[gpu] = tenant.id
             if tenant.cls.boosted:
                 tenant.cls.set_boost(False)  # a boost is worth one quantum
             if trigger is not Trigger.PREEMPTED_PRIORITY:
@@ -344,6 +352,25 @@ class TenantTable:
         self.changes += 1
         tenant.state = new
         tenant.state_since = now
+
+    def begin_handover(self, tenant: TenantRecord, gpus: Iterable[GpuId], now: float) -> None:
+        """``tenant`` was granted ``gpus`` while gated: their hand-overs to it begin."""
+        for gpu in gpus:
+            before = self.last_holder.get(gpu)
+            self.handovers[gpu] = Handover(
+                gpu, tenant.id, before if before != tenant.id else None, now
+            )
+
+    def handover_phase(self, tenant: TenantRecord, phase: Phase) -> None:
+        """The hand-overs to ``tenant`` wait for ``phase`` now."""
+        for handover in self.handovers.values():
+            if handover.to == tenant.id:
+                step(handover, phase)
+
+    def end_handover(self, tenant: TenantRecord) -> None:
+        """The hand-overs to ``tenant`` are over (it runs, or it gave up its turn)."""
+        for gpu in [g for g, h in self.handovers.items() if h.to == tenant.id]:
+            del self.handovers[gpu]
 
     def gate(self, tenant: TenantRecord, actions: list[Action]) -> None:
         """Ask for ``tenant`` to be gated (once: a gated tenant is not asked again).

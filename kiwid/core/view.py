@@ -28,6 +28,18 @@ class WaiterView:
 
 
 @dataclass(frozen=True)
+class HandoverView:
+    """A GPU's hand-over under way (:mod:`kiwid.core.handover`)."""
+
+    to: TenantId
+    from_: TenantId | None
+    since: float
+    """Monotonic time of the grant."""
+    phase: str | None
+    """``gating the holder``, ``making room``, ``restoring`` or ``letting go``."""
+
+
+@dataclass(frozen=True)
 class GpuView:
     """One GPU: who holds it and who waits."""
 
@@ -54,6 +66,8 @@ class GpuView:
     held_back: tuple[TenantId, ...] = ()
     """Tenants kept gated on it although it does not gate now (their memory cannot come
     back yet, or they are stuck): each one's ``waiting_for`` or fault says why."""
+    handover: HandoverView | None = None
+    """The hand-over under way: granted, not running yet (``None``: none)."""
 
 
 @dataclass(frozen=True)

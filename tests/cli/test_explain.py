@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from kiwid.cli.explain import (
     waiter_eta,
 )
 from kiwid.cli.kiwictl import main
+from kiwid.cli.status_text import format_status
 from tests.adapters.test_control import FakeDaemon, ServerThread, serve, sock_dir
 
 __all__ = ["serve", "sock_dir"]  # fixtures shared with the control socket tests
@@ -300,3 +302,31 @@ def test_memory_moves_are_told_in_words() -> None:
         "Its workload ran here before (exe /usr/bin/python3 train.py): it is sized from "
         "that run's 47.0 GiB, not given the whole card as a newcomer."
     ) in text
+
+
+def test_a_hand_over_is_told_in_a_sentence_to_both_tenants() -> None:
+    status = copy.deepcopy(STATUS)
+    gpu = status["gpus"][0]
+    since = 1_700_000_000.0
+    gpu["handover"] = {
+        "to": "docker:ab12cd34ef56",
+        "from": "pid:777",
+        "since_unix": since,
+        "seconds": 3.25,
+        "phase": "restoring",
+    }
+    clock = time.strftime("%H:%M:%S", time.localtime(since))
+    told = (
+        f"GPU 0 is being handed over from pid:777 to docker:ab12cd34ef56 since {clock} "
+        "(3.2 s): restoring: docker:ab12cd34ef56's memory is coming back from host RAM."
+    )
+    assert told in explain("docker:ab12cd34ef56", status)
+    assert told in explain("777", status)  # the one it is from
+    assert "handed over" not in explain("podman:3f2a1b4c5d6e", status)  # a bystander
+    gpu["handover"].update(phase="gating the holder")
+    assert "gating the holder: pid:777, the holder before, is being gated (it may still run)" in (
+        explain("777", status)
+    )
+    assert "  handover pid:777 -> docker:ab12cd34ef56, gating the holder, 3.2 s" in (
+        format_status(status)
+    )

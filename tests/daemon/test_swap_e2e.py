@@ -164,6 +164,25 @@ def test_status_answers_during_a_long_swap_and_shows_it(start_kiwid, tenants, wo
     assert b.frozen()
 
 
+def test_status_and_explain_name_a_hand_over_and_its_phase(start_kiwid, tenants, workdir) -> None:
+    # b is in host RAM; a's quantum ends: 4 GiB of b come back at 2 GB/s (about 2 s),
+    # and room is made for it (a goes out at 2 GB/s too), while status answers.
+    k, a, b = a_holds_b_waits(start_kiwid, tenants, workdir, tq=2, out=2, in_=2)
+
+    def phase() -> dict[str, Any] | None:
+        h = k.status()["gpus"][0]["handover"]
+        return h if h and h["phase"] in ("making room", "restoring") else None
+
+    handover = wait_for(phase, 15, "a hand-over from a to b under way")
+    assert (handover["from"], handover["to"]) == (a.key, b.key), handover
+    assert handover["seconds"] >= 0 and handover["since_unix"] <= time.time()
+    out = k.ctl("explain", b.key)
+    assert f"is being handed over from {a.key} to {b.key} since " in out.stdout, out.stdout
+    assert f"  handover {a.key} -> {b.key}, " in k.ctl("status").stdout
+    wait_for(lambda: holder(k) == b.key and not b.frozen(), 20, "b to run")
+    assert k.status()["gpus"][0]["handover"] is None
+
+
 def test_after_sigkill_a_restart_keeps_the_swapped_tenant_and_brings_it_back(
     start_kiwid, tenants, workdir
 ) -> None:

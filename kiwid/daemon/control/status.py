@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ from kiwid import __version__
 from kiwid.adapters.control import EncodedResult
 from kiwid.core.ledger import LedgerView
 from kiwid.core.model import GpuPolicy, TenantState
-from kiwid.core.view import TenantView
+from kiwid.core.view import HandoverView, TenantView
 from kiwid.daemon.context import Context
 from kiwid.daemon.control.stuck import (
     fault_json,
@@ -141,6 +142,19 @@ def swap_json(progress: SwapProgress | None, now: float) -> dict[str, Any] | Non
     }
 
 
+def handover_json(handover: HandoverView | None, now: float) -> dict[str, Any] | None:
+    """A GPU's hand-over under way: to whom, from whom, since when, waiting for what."""
+    if handover is None:
+        return None
+    return {
+        "to": handover.to,
+        "from": handover.from_,
+        "since_unix": round(time.time() - (now - handover.since), 3),
+        "seconds": round(now - handover.since, 3),
+        "phase": handover.phase,
+    }
+
+
 def build_status(ctx: Context) -> dict[str, Any]:
     """Assemble the status object from the scheduler's view and kiwid's tables."""
     now = ctx.clock()
@@ -203,6 +217,7 @@ def build_status(ctx: Context) -> dict[str, Any]:
                     ]
                 ),
                 "handover_seconds": engine.handovers.get(gid, Histogram()).as_json(),
+                "handover": handover_json(g.handover if g else None, now),
                 "swap": swap_json(next((w for w in swaps.values() if gid in w.gpus), None), now),
                 "swaps": [swap_json(w, now) for w in swaps.values() if gid in w.gpus],
                 "free_bytes": g.free_bytes if g else None,

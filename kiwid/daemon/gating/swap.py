@@ -41,8 +41,10 @@ IPC memory, an NCCL job): its memory stays on the card, and its workload is
 remembered so."""
 CHECKPOINT_FLOOR_BYTES_S = {"out": 1e9, "in": 2e9}
 """The slowest a checkpoint (out) and a restore (in) are expected to run: about
-half of what an H200 measured (2.2 GB/s out, 5-6 GB/s in). A swap's deadline is
-``gpu.driver_timeout`` plus twice its size at these rates."""
+half of what an H200 measured (2.2 GB/s out, 5-6 GB/s in). A checkpoint's deadline
+is ``gpu.driver_timeout`` plus twice its size at its rate; a restore's (a swap-in, a
+retry, a release, a converge) twice ``gpu.driver_timeout`` plus twice its size at
+its rate (:mod:`kiwid.daemon.engine.deadlines`)."""
 
 
 class SwapError(Exception):

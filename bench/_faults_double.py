@@ -23,6 +23,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,10 +52,19 @@ from tests.stand_ins.cudadouble import CudaTenant, DriverDouble
 
 OPS = ("lock", "unlock", "checkpoint", "restore", "state")
 KINDS = ("fail-999", "fail-2", "hang-s", "hang-clear", "stuck", "oom", "multi", "gpu-lost")
+OPERATOR_KINDS = ("hang-retry", "hang-release")
+"""A call hangs until cleared, and the operator's retry (or release) comes while it
+hangs: it waits behind the call, and runs once the bench clears the fault."""
+ESCAPES = (("checkpoint", "newproc"), ("lock", "newproc"), ("admission", "late-context"))
+"""The processes kiwid did not lock once: a process a tenant starts while a call of it
+hangs (the follow waited behind it), and a container held at admission before its
+first CUDA call (the lock had nothing to hold)."""
 PERSIST = 1_000_000
 """``times`` of a fault that lasts until it is cleared."""
 CAPACITY = 5 * GIB
 FOREIGN = 3 * GIB // 2
+NEWCOMER = GIB // 8
+"""A process or container a run starts: small, so that it fits beside the others."""
 TENANTS = (("m", GIB // 2, 2), ("t1", GIB, 1), ("t2", GIB, 1), ("t3", GIB, 1))
 """name, memory per process, processes: ``m`` is the multi-process tenant."""
 
@@ -89,7 +99,8 @@ def cells() -> list[tuple[str, str]]:
     and a lost GPU fails every operation at once: one row each.
     """
     out = [(op, kind) for op in OPS for kind in KINDS if kind not in ("oom", "gpu-lost")]
-    return [*out, ("restore", "oom"), ("any", "gpu-lost")]
+    out += [(op, kind) for op in OPS for kind in OPERATOR_KINDS]
+    return [*out, ("restore", "oom"), ("any", "gpu-lost"), *ESCAPES]
 
 
 @dataclass
@@ -107,6 +118,10 @@ class DoubleRig:
     tenants: list[Tenant] = field(default_factory=list)
     cuda: dict[str, CudaTenant] = field(default_factory=dict)
     injected: set[tuple[int, str]] = field(default_factory=set)
+    extra: dict[str, list[CudaTenant]] = field(default_factory=dict)
+    """Processes a run started in a tenant's cgroup (newproc), ended with the run."""
+    transient: list[tuple[Tenant, CudaTenant, str]] = field(default_factory=list)
+    """A container a run announced (late-context): tenant, process, its container id."""
 
     def __post_init__(self) -> None:
         self.double = DriverDouble(
@@ -139,9 +154,16 @@ class DoubleRig:
             if tenant is None:
                 raise RuntimeError(f"tenant {name} found no room on the card in 30 s")
             self.cuda[name] = tenant
-            self.tenants.append(Tenant(name, cgroup, tenant.pids))
+            self.tenants.append(Tenant(name, cgroup, lambda n=name: self._pids(n)))
         if not self.establish():
             raise RuntimeError("kiwid did not set up the rotation in 30 s")
+
+    def _pids(self, name: str) -> list[int]:
+        """A tenant's processes with a context: its own, and those a run started in it."""
+        pids = list(self.cuda[name].pids())
+        for extra in self.extra.get(name, []):
+            pids += [p for p in extra.pids() if p not in pids]
+        return sorted(pids)
 
     def _spawn(self, memory: int, processes: int, cgroup: Path) -> CudaTenant | None:
         try:
@@ -194,6 +216,18 @@ class DoubleRig:
         if kind == "gpu-lost":
             self.double.lose_gpu()
             return "the GPU is lost"
+        if kind == "late-context":
+            return self._admit_late(rng)
+        if kind == "newproc":
+            pid = tenant.pids()[0]
+            self.double.fault(pid, op, "hang", 0)
+            self.injected.add((pid, op))
+            time.sleep(rng.uniform(0, 2 * self.driver_timeout))  # into the hang, maybe past it
+            started = wait_until(lambda: self._spawn(NEWCOMER, 1, tenant.cgroup), 10, 0.1)
+            if started is None:
+                return f"{op} of pid {pid} hangs; no room on the card for a new process"
+            self.extra.setdefault(tenant.name, []).append(started)
+            return f"{op} of pid {pid} hangs; a new process {started.pid} in {tenant.name}"
         pids = tenant.pids()
         pid = pids[-1] if kind == "multi" else rng.choice(pids)
         times = rng.choice((1, PERSIST))
@@ -205,7 +239,7 @@ class DoubleRig:
             seconds = round(rng.uniform(0.5, 2.5 * self.driver_timeout), 2)
             self.double.fault(pid, op, "hang", seconds)
             what, times = f"hang {seconds} s", 1
-        elif kind == "hang-clear":
+        elif kind in ("hang-clear", *OPERATOR_KINDS):
             self.double.fault(pid, op, "hang", 0)
             what, times = "hang until cleared", 1
         elif kind == "oom":
@@ -234,11 +268,52 @@ class DoubleRig:
         return False
 
     def clear(self) -> None:
-        """End every injected fault (a hang returns, a stuck process un-sticks)."""
+        """End every injected fault (a hang returns, a stuck process un-sticks).
+
+        The processes and containers a run started end too (the rotation goes on
+        with the four tenants it began with).
+        """
         self.double.restore_gpu()
         for pid, op in sorted(self.injected):
             self.double.clear(pid, op)
         self.injected.clear()
+        # A process started in a tenant's cgroup ends alone (not the cgroup's others).
+        started = [replace(p, cgroup=None) for procs in self.extra.values() for p in procs]
+        self.extra.clear()
+        for tenant, proc, cid in self.transient:
+            self.tenants = [t for t in self.tenants if t is not tenant]
+            with contextlib.suppress(OSError, RuntimeError):
+                self.daemon.call("unregister", {"id": cid})
+            started.append(proc)
+        if started:
+            self.double.close(started)
+        for tenant, _, _ in self.transient:
+            with contextlib.suppress(OSError):
+                tenant.cgroup.rmdir()
+        self.transient.clear()
+
+    def _admit_late(self, rng: random.Random) -> str:
+        """A container announced with admission hold before its first CUDA call; then the call.
+
+        It is one more tenant for the run (the judge watches it as the target), and
+        ends with the run.
+        """
+        name = f"adm{uuid.uuid4().hex[:4]}"
+        cgroup = make_cgroup(self.parent / name)
+        first_call = self.d / f"{name}.first-call"
+        proc = self.double.spawn_tenant(NEWCOMER, cgroup=cgroup, context_when=first_call)
+        tenant = Tenant(name, cgroup, proc.pids)
+        cid = uuid.uuid4().hex + uuid.uuid4().hex
+        self.transient.append((tenant, proc, cid))
+        self.tenants = [*self.tenants, tenant]
+        key = f"/{cgroup.relative_to(V2)}"
+        answer = self.daemon.call(
+            "register", {"id": cid, "cgroup_v2": key, "pid": proc.pid, "hold": True}
+        )
+        time.sleep(rng.uniform(0, self.tq))
+        first_call.touch()
+        held = answer.get("held")
+        return f"container {name} (pid {proc.pid}) registered, held {held}; then its first call"
 
     # ------------------------------------------------------------ checks
 

@@ -125,6 +125,9 @@ class Matrix:
         time.sleep(self.rng.uniform(0, self.round_s))
         what = self.rig.inject(op, kind, tenant, self.rng)
         injected = time.monotonic()
+        if kind == "late-context":  # the container it announced is the one to watch
+            tenant = self.rig.tenants[-1]
+            self.judge.begin(cell, tenant.name)
         self.judge.note(f"run {self.index}: {what} ({tenant.name})")
         if kind == "gpu-lost":
             time.sleep(self.rng.uniform(0.5, 2 * self.rig.driver_timeout + 1))
@@ -144,7 +147,7 @@ class Matrix:
         elif kill:
             ending = "recovered"
         else:
-            ending = self._operator(sorted(stuck))
+            ending = self._operator(sorted(stuck), kind)
             self.acted.append((cell, ending, time.monotonic() - now))
         self.rig.clear()
         if ending == "unresolved":
@@ -213,29 +216,56 @@ class Matrix:
 
     # ------------------------------------------------------------ the operator
 
-    def _operator(self, names: list[str]) -> str:
+    def _operator(self, names: list[str], kind: str = "") -> str:
         """Retry (after clearing the fault) or release, in turn; the other way if that fails.
 
-        Returns the ending: ``mended``, ``released``, or ``unresolved`` when neither
-        brought a tenant back.
+        ``hang-retry`` and ``hang-release`` cells: that word comes while the call that
+        made the tenant stuck still hangs (it waits behind the call); the fault is
+        cleared then. Returns the ending: ``mended``, ``released``, or ``unresolved``
+        when neither brought a tenant back.
         """
         first = ("retry", "release")[self._actions % 2]
         self._actions += 1
+        early = kind in ("hang-retry", "hang-release")
+        if early:
+            first = kind.removeprefix("hang-")
         endings = []
         for tenant in [t for t in self.rig.tenants if t.name in names]:
-            ending = self._retry(tenant) if first == "retry" else self._release(tenant)
+            if first == "retry":
+                ending = self._retry(tenant, clear_first=not early)
+            else:
+                ending = self._release(tenant)
             if ending == "unresolved":  # the operator tries the other way
                 ending = self._release(tenant) if first == "retry" else self._retry(tenant)
                 self.judge.note(f"{tenant.name}: the {first} failed; the other way: {ending}")
             endings.append(ending)
         return "unresolved" if "unresolved" in endings else endings[0]
 
-    def _retry(self, tenant: Tenant) -> str:
-        """Clear the fault, then ``kiwictl retry`` (waiting out a call not returned yet)."""
+    def _retry(self, tenant: Tenant, *, clear_first: bool = True) -> str:
+        """Clear the fault, then ``kiwictl retry`` (waiting out a call not returned yet).
+
+        Not ``clear_first``: the retry comes while the call hangs; it waits behind
+        it (kiwictl says so), and runs once the fault is cleared.
+        """
+        if not clear_first:
+            out = self.rig.daemon.ctl("retry", tenant.key)
+            said = (out.stdout + out.stderr).strip()
+            if "waits behind" not in said:
+                self.judge.note(f"retry of {tenant.name} while its call hangs: {said}")
+            self.rig.clear()
+            return "mended" if self._settled(tenant, ("waiting", "holder")) else "unresolved"
         self.rig.clear()
         if self._ctl_retry(tenant, "mend"):
             return "mended"
         return "unresolved"
+
+    def _settled(self, tenant: Tenant, states: tuple[str, ...]) -> bool:
+        """Whether ``tenant`` reaches one of ``states`` (an operator's word that waited ran)."""
+        deadline = 3 * self.deadline_s + 10
+        if wait_until(lambda: self.judge.states.get(tenant.name) in states, deadline):
+            return True
+        self.judge.note(f"{tenant.name} is {self.judge.states.get(tenant.name)}, not {states}")
+        return False
 
     def _ctl_retry(self, tenant: Tenant, why: str) -> bool:
         deadline = time.monotonic() + 3 * self.deadline_s + 10
@@ -258,16 +288,22 @@ class Matrix:
         self.judge.set_released(tenant.name, True)  # from the operator's word on, it may run
         out = self.rig.daemon.ctl("release", tenant.key)
         said = (out.stdout + out.stderr).strip()
-        if out.returncode != 0 and "not stuck" not in said:  # the fault holds: clear it
+        code = out.returncode
+        if "waits behind" in said:  # taken: it runs once the hung call returns
+            self.rig.clear()
+            code = 0 if self._settled(tenant, ("released",)) else 1
+        elif code != 0 and "not stuck" not in said:  # the fault holds: clear it
             self.rig.clear()
             time.sleep(0.2)
             out = self.rig.daemon.ctl("release", tenant.key)
-            said = (out.stdout + out.stderr).strip()
-        if out.returncode != 0:
+            said, code = (out.stdout + out.stderr).strip(), out.returncode
+            if "released already" in said:  # the first one went on past its answer
+                code = 0
+        if code != 0:
             self.judge.set_released(tenant.name, False)
             if "not stuck" in said:
                 return "mended"  # kiwid's own gate, tried again every TQ, took meanwhile
-            self.judge.note(f"release of {tenant.name} exited {out.returncode}: {said}")
+            self.judge.note(f"release of {tenant.name} exited {code}: {said}")
             return "unresolved"
         before = self.rig.snapshot().progress[tenant.name]
         if not wait_until(lambda: self.rig.snapshot().progress[tenant.name] > before, 5):

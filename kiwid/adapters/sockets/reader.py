@@ -1,0 +1,265 @@
+"""Does a tenant have a request waiting, and what is it watched on: the judgement.
+
+One call reads the tenant's socket inodes (:mod:`.owners`), opens one sock_diag
+socket per network namespace they live in (:mod:`.netns`), dumps TCP, TCPv6 and
+Unix sockets there once each (:mod:`.diag`), keeps the tenant's own by inode and
+judges them. The rules are in :func:`probe`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kiwid.adapters.sockets.diag import (
+    TCP_CLOSE_WAIT,
+    TCP_ESTABLISHED,
+    TCP_LISTEN,
+    InetSocket,
+    SocketDiagError,
+    UnixSocket,
+    dump_inet,
+    dump_unix,
+)
+from kiwid.adapters.sockets.netns import diag_sockets
+from kiwid.adapters.sockets.owners import read_owners
+
+__all__ = ["Listening", "Probe", "Waiting", "listening", "probe", "sockets_of", "waiting"]
+
+ACCEPT = "accept"
+UNREAD = "unread"
+UNANSWERED = "unanswered"
+_CONNECTED = (TCP_ESTABLISHED, TCP_CLOSE_WAIT)  # CLOSE_WAIT: the peer sent, then shut down
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A request that waits on one of the tenant's sockets.
+
+    Attributes:
+        kind: ``accept`` (connections in a listener's accept queue), ``unread``
+            (bytes received and not read) or ``unanswered`` (read, no answer sent
+            since; TCP only, and only when not frozen).
+        socket: Which socket, e.g. ``tcp 10.0.0.5:8000 <- 10.0.0.9:51234``,
+            ``tcp6 [::]:8000``, ``unix /run/app.sock``, ``unix -> /run/db.sock``.
+        detail: How much and since when, for the operator.
+        inbound: Whether a client of the tenant waits: a listener, or a
+            connection accepted on one (its local port or Unix address is one the
+            tenant listens on). ``False``: a connection the tenant opened itself,
+            e.g. a database's reply waiting unread.
+    """
+
+    kind: str
+    socket: str
+    detail: str
+    inbound: bool = True
+
+
+@dataclass(frozen=True)
+class Listening:
+    """A socket the tenant accepts connections on ("wakes on ...").
+
+    Attributes:
+        proto: ``tcp``, ``tcp6`` or ``unix``.
+        where: ``0.0.0.0:8000``, ``[::]:8000``, a path, or ``@name`` (abstract).
+    """
+
+    proto: str
+    where: str
+
+    def __str__(self) -> str:
+        return f"{self.proto} {self.where}"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one read of a tenant's sockets found.
+
+    Attributes:
+        waiting: Requests that wait, sorted.
+        listening: Where it listens, sorted.
+        sockets: How many of its sockets were found in the dumps.
+    """
+
+    waiting: tuple[Waiting, ...]
+    listening: tuple[Listening, ...]
+    sockets: int
+
+
+def _where(address: str, port: int, family: int) -> str:
+    return f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
+
+
+def _proto(family: int) -> str:
+    return "tcp6" if family == socket.AF_INET6 else "tcp"
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def _unanswered(sock: InetSocket, after_ms: float) -> str | None:
+    """Why a connection's last data in came after its last data out, or ``None``.
+
+    The kernel's clocks tick every 1-10 ms (``HZ``), so data in and out within
+    one tick read as simultaneous: that counts as answered (a health check
+    answered at once), unless nothing ever went out.
+    """
+    times = sock.times
+    if times is None or times.last_data_recv_ms < after_ms:
+        return None
+    recv_s = times.last_data_recv_ms / 1000
+    if times.data_segs_in is not None and times.data_segs_out is not None:
+        if times.data_segs_in == 0:
+            return None
+        if times.data_segs_out == 0:
+            return f"request {recv_s:.2f} s ago, never answered"
+    if times.last_data_recv_ms < times.last_data_sent_ms:
+        return f"request {recv_s:.2f} s ago, last answer {times.last_data_sent_ms / 1000:.2f} s ago"
+    return None
+
+
+def _judge_inet(sockets: list[InetSocket], frozen: bool, after_ms: float) -> list[Waiting]:
+    ports = {s.local_port for s in sockets if s.state == TCP_LISTEN}
+    found: list[Waiting] = []
+    for sock in sockets:
+        proto = _proto(sock.family)
+        local = _where(sock.local, sock.local_port, sock.family)
+        if sock.state == TCP_LISTEN:
+            if sock.rqueue:
+                what = f"{_plural(sock.rqueue, 'connection')} not accepted (backlog {sock.wqueue})"
+                found.append(Waiting(ACCEPT, f"{proto} {local}", what))
+            continue
+        inbound = sock.local_port in ports
+        remote = _where(sock.remote, sock.remote_port, sock.family)
+        name = f"{proto} {local} <- {remote}" if inbound else f"{proto} {local} -> {remote}"
+        if sock.rqueue:
+            found.append(Waiting(UNREAD, name, f"{_plural(sock.rqueue, 'byte')} unread", inbound))
+        elif not frozen and inbound and (why := _unanswered(sock, after_ms)) is not None:
+            # Only a server's end: on a connection the tenant opened, the last
+            # data in is the answer to what it sent, the normal idle state.
+            found.append(Waiting(UNANSWERED, name, why, inbound))
+    return found
+
+
+def _judge_unix(sockets: list[UnixSocket]) -> list[Waiting]:
+    names = {s.name for s in sockets if s.state == TCP_LISTEN and s.name}
+    found: list[Waiting] = []
+    for sock in sockets:
+        if sock.state == TCP_LISTEN:
+            if sock.rqueue:
+                what = f"{_plural(sock.rqueue, 'connection')} not accepted (backlog {sock.wqueue})"
+                found.append(Waiting(ACCEPT, f"unix {sock.name or '(unnamed)'}", what))
+            continue
+        if not sock.rqueue:
+            continue
+        inbound = bool(sock.name) and sock.name in names
+        if sock.name:
+            name = f"unix {sock.name}"
+        else:
+            name = f"unix -> {sock.peer_name}" if sock.peer_name else "unix (unnamed)"
+        found.append(Waiting(UNREAD, name, f"{_plural(sock.rqueue, 'byte')} unread", inbound))
+    return found
+
+
+def _listening(inet: list[InetSocket], unix: list[UnixSocket]) -> set[Listening]:
+    found = {
+        Listening(_proto(s.family), _where(s.local, s.local_port, s.family))
+        for s in inet
+        if s.state == TCP_LISTEN
+    }
+    found.update(Listening("unix", s.name or "(unnamed)") for s in unix if s.state == TCP_LISTEN)
+    return found
+
+
+def probe(pids: Iterable[int], *, frozen: bool, unanswered_after_s: float = 0.05) -> Probe:
+    """Read a tenant's sockets in their network namespaces and judge them.
+
+    A request waits when:
+
+    * a listener has connections in its accept queue (``accept``);
+    * a connected socket has bytes nobody read (``unread``);
+    * not ``frozen`` only, on a TCP connection accepted on one of the tenant's
+      listeners: data came in after data last went out (or none ever went out),
+      at least ``unanswered_after_s`` ago (``unanswered``): the request was read
+      and its handler is stuck, e.g. at its first CUDA call under the CUDA lock.
+
+    Args:
+        pids: The tenant's processes; those that exited meanwhile are skipped.
+        frozen: Whether the tenant is frozen (its CPU side runs nothing), which
+            makes ``unanswered`` meaningless and skips reading ``tcp_info``.
+        unanswered_after_s: How long a read request must stay unanswered.
+
+    Returns:
+        What waits and where it listens; empty for a tenant without sockets.
+
+    Raises:
+        SocketDiagError: The sockets cannot be read (not root, a namespace that
+            cannot be entered, netlink refused).
+    """
+    after_ms = unanswered_after_s * 1000
+    owners = read_owners(pids)
+    try:
+        if not owners.inodes:
+            return Probe((), (), 0)
+        sockets = diag_sockets(owners.namespaces)
+    finally:
+        owners.close()
+    waits: list[Waiting] = []
+    listens: set[Listening] = set()
+    count = 0
+    wanted = owners.inodes.__contains__
+    try:
+        for key, sock in sockets.items():
+            if isinstance(sock, SocketDiagError):
+                pids_there = ", ".join(map(str, owners.pids[key]))
+                raise SocketDiagError(f"processes {pids_there}: {sock}", sock.errno) from sock
+            inet = [
+                s
+                for family in (socket.AF_INET, socket.AF_INET6)
+                for s in dump_inet(
+                    sock, family, (TCP_LISTEN, *_CONNECTED), wanted, times=not frozen
+                )
+            ]
+            unix = dump_unix(sock, wanted)
+            count += len(inet) + len(unix)
+            waits += _judge_inet(inet, frozen, after_ms) + _judge_unix(unix)
+            listens |= _listening(inet, unix)
+    finally:
+        for sock in sockets.values():
+            if isinstance(sock, socket.socket):
+                sock.close()
+    waits.sort(key=lambda w: (w.kind, w.socket))
+    return Probe(tuple(waits), tuple(sorted(listens, key=str)), count)
+
+
+def waiting(
+    pids: Iterable[int], *, frozen: bool, unanswered_after_s: float = 0.05
+) -> list[Waiting]:
+    """The requests that wait on a tenant's sockets: :attr:`probe`'s ``waiting``.
+
+    Raises:
+        SocketDiagError: As for :func:`probe`.
+    """
+    return list(probe(pids, frozen=frozen, unanswered_after_s=unanswered_after_s).waiting)
+
+
+def listening(pids: Iterable[int]) -> list[Listening]:
+    """Where a tenant listens (TCP address:port, Unix paths), for its status.
+
+    Raises:
+        SocketDiagError: As for :func:`probe`.
+    """
+    return list(probe(pids, frozen=True).listening)
+
+
+def sockets_of(pids: Iterable[int]) -> frozenset[int]:
+    """The inodes of the sockets the processes hold (``/proc/PID/fd``).
+
+    Raises:
+        SocketDiagError: A process's files cannot be read.
+    """
+    owners = read_owners(pids)
+    owners.close()
+    return frozenset(owners.inodes)

@@ -73,12 +73,13 @@ _HEADER = struct.Struct("=IHHII")
 _INET_REQ = struct.Struct("=BBBxI48x")
 _INET_HEAD = struct.Struct("=BB2x")
 _INET_PORTS = struct.Struct(">HH")
-_INET_TAIL = struct.Struct("=II4xI")  # rqueue, wqueue, inode at offset 60
+_INET_TAIL = struct.Struct("=II4xI")  # from offset 56: rqueue, wqueue, (uid), inode
 _INET_MSG_SIZE = 72
 _UNIX_REQ = struct.Struct("=BBxxIII8x")
 _UNIX_MSG = struct.Struct("=BBBxI8x")
 _ATTR = struct.Struct("=HH")
 _U32 = struct.Struct("=I")
+_I32 = struct.Struct("=i")
 _RQLEN = struct.Struct("=II")
 _TCP_TIMES = struct.Struct("=I4xI")  # last_data_sent (44), last_data_recv (52)
 _TCP_SEGS = struct.Struct("=II")  # data_segs_in (152), data_segs_out (156)
@@ -93,9 +94,9 @@ class SocketDiagError(Exception):
         errno: The kernel's error number, when it gave one.
     """
 
-    def __init__(self, message: str, errno: int | None = None) -> None:
+    def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
-        self.errno = errno
+        self.errno = code
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,8 @@ class UnixSocket:
         name: Its address: a path, ``@name`` for the abstract namespace, or ``""``
             when unbound. An accepted socket carries its listener's address.
         peer: The inode of the socket at the other end (0: none).
-        peer_name: The other end's address when this end has none (a client's
-            socket), if the other end is in the namespace; else ``""``.
+        peer_name: The other end's address (what a client's unnamed socket is
+            connected to), if it has one and is in the namespace; else ``""``.
         rqueue: Listener: connections not yet accepted; otherwise unread bytes.
         wqueue: Listener: the accept queue's limit; otherwise unsent bytes.
     """
@@ -206,9 +207,8 @@ def _messages(sock: socket.socket, request: bytes, what: str) -> Iterator[memory
                 body = data[offset + _HEADER.size : offset + length]
                 if kind in (NLMSG_DONE, NLMSG_ERROR):
                     # Both carry an int: 0 or minus an errno (DONE: a dump that failed midway).
-                    code = -_U32.unpack_from(body)[0] if len(body) >= 4 else 0
-                    code = code if code <= 0 else code - (1 << 32)
-                    if code:
+                    code = _I32.unpack_from(body)[0] if len(body) >= 4 else 0
+                    if code < 0:
                         raise SocketDiagError(f"{what}: {os.strerror(-code)}", -code)
                     return
                 yield body
@@ -264,7 +264,8 @@ def dump_inet(
     ext = 1 << (INET_DIAG_INFO - 1) if times else 0
     request = _INET_REQ.pack(family, socket.IPPROTO_TCP, ext, mask)
     size = 4 if family == socket.AF_INET else 16
-    name = "tcp" if family == socket.AF_INET else "tcp6"
+    names: dict[int, str] = {socket.AF_INET: "tcp", socket.AF_INET6: "tcp6"}
+    name = names.get(family, f"family {family}")
     found: list[InetSocket] = []
     try:
         for body in _messages(sock, request, f"{name} socket dump"):

@@ -34,7 +34,7 @@ from kiwid.adapters.sockets import (
     sockets_of,
     waiting,
 )
-from kiwid.adapters.sockets.diag import dump_inet, open_diag_socket
+from kiwid.adapters.sockets.diag import SOCK_DIAG_BY_FAMILY, dump, open_diag_socket
 from tests.adapters.conftest import wait_until
 
 TENANT = Path(__file__).with_name("socket_tenant.py")
@@ -435,6 +435,7 @@ def test_a_refusal_is_a_socket_diag_error() -> None:
 
 
 def test_a_request_the_kernel_refuses_is_a_socket_diag_error() -> None:
+    """A family past AF_MAX: the kernel answers NLMSG_ERROR with -EINVAL."""
     with open_diag_socket() as sock, pytest.raises(SocketDiagError) as caught:
-        dump_inet(sock, 255, (10,), lambda _: True, times=False)  # no such family
+        list(dump(sock, SOCK_DIAG_BY_FAMILY, bytes([255]) + bytes(23), "family 255"))
     assert caught.value.errno == errno.EINVAL

@@ -3,7 +3,8 @@
 What is read: the socket inodes the tenant's processes hold (``/proc/PID/fd/*``
 -> ``socket:[INODE]``), then, in each network namespace those processes live in
 (a pod has its own; a host-network process shares the host's), one
-NETLINK_SOCK_DIAG dump each of TCP, TCPv6 and Unix stream/seqpacket sockets. The
+NETLINK_SOCK_DIAG dump of TCP sockets (IPv4 and IPv6 together) and one of Unix
+stream/seqpacket sockets. The
 tenant's own sockets are picked by inode, always (a host namespace holds everyone
 else's too). From them :func:`probe` says what waits (a listener's accept queue,
 unread bytes, and when the tenant is not frozen a TCP request that was read and
@@ -23,7 +24,8 @@ process may exit meanwhile: its sockets are then simply gone from the answer.
 
 Cost per call: reading ``/proc/PID/fd`` (one ``readlink`` per descriptor), and per
 namespace where the tenant holds sockets one thread (unless it is kiwid's own),
-one netlink socket and three dumps. Sockets that are not the tenant's cost one
+one netlink socket and two dumps; the TCP dump's kernel time dominates (see
+:mod:`.diag`). Sockets that are not the tenant's cost one
 ``struct.unpack_from`` each; ``tcp_info`` is asked for only when not frozen.
 ``bench/sockets_probe.py`` measures it.
 

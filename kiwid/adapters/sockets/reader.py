@@ -1,9 +1,9 @@
 """Does a tenant have a request waiting, and what is it watched on: the judgement.
 
 One call reads the tenant's socket inodes (:mod:`.owners`), opens one sock_diag
-socket per network namespace they live in (:mod:`.netns`), dumps TCP, TCPv6 and
-Unix sockets there once each (:mod:`.diag`), keeps the tenant's own by inode and
-judges them. The rules are in :func:`probe`.
+socket per network namespace they live in (:mod:`.netns`), dumps TCP (v4 and v6
+together) and Unix sockets there once each (:mod:`.diag`), keeps the tenant's
+own by inode and judges them. The rules are in :func:`probe`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kiwid.adapters.sockets.diag import (
     InetSocket,
     SocketDiagError,
     UnixSocket,
-    dump_inet,
+    dump_tcp,
     dump_unix,
 )
 from kiwid.adapters.sockets.netns import diag_sockets
@@ -215,13 +215,7 @@ def probe(pids: Iterable[int], *, frozen: bool, unanswered_after_s: float = 0.05
             if isinstance(sock, SocketDiagError):
                 pids_there = ", ".join(map(str, owners.pids[key]))
                 raise SocketDiagError(f"processes {pids_there}: {sock}", sock.errno) from sock
-            inet = [
-                s
-                for family in (socket.AF_INET, socket.AF_INET6)
-                for s in dump_inet(
-                    sock, family, (TCP_LISTEN, *_CONNECTED), wanted, times=not frozen
-                )
-            ]
+            inet = dump_tcp(sock, (TCP_LISTEN, *_CONNECTED), wanted, times=not frozen)
             unix = dump_unix(sock, wanted)
             count += len(inet) + len(unix)
             waits += _judge_inet(inet, frozen, after_ms) + _judge_unix(unix)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from kiwid.adapters.cgroups import Freezer
 from kiwid.adapters.sockets import (
     ACCEPT,
     UNANSWERED,
@@ -35,7 +36,7 @@ from kiwid.adapters.sockets import (
     waiting,
 )
 from kiwid.adapters.sockets.diag import SOCK_DIAG_BY_FAMILY, dump, open_diag_socket
-from tests.adapters.conftest import wait_until
+from tests.adapters.conftest import Sandbox, wait_until
 
 TENANT = Path(__file__).with_name("socket_tenant.py")
 
@@ -242,6 +243,30 @@ def wait_until_found(read: Callable[[], list[Waiting]], count: int = 1) -> list[
 
     wait_until(enough, what=f"{count} unanswered request(s)")
     return found
+
+
+def test_a_frozen_tenant_still_shows_new_connections_and_bytes(sandbox: Sandbox, lab: Lab) -> None:
+    """The kernel completes handshakes and queues bytes for frozen processes."""
+    tenant = lab.start()
+    listener, port = tenant.ask("listen tcp 127.0.0.1 0").split()
+    kept = lab.connect("tcp", "127.0.0.1", int(port))
+    tenant.ask(f"accept {listener}")
+    ref = sandbox.cgroup("tenant")
+    sandbox.move(tenant.pid, ref)
+    freezer = Freezer(sandbox.layout)
+    freezer.freeze(ref)
+    try:
+        lab.connect("tcp", "127.0.0.1", int(port))
+        kept.sendall(b"GET /")
+        here = f"127.0.0.1:{port}"
+        expected = [
+            Waiting(ACCEPT, f"tcp {here}", "1 connection not accepted (backlog 16)"),
+            Waiting(UNREAD, f"tcp {here} <- 127.0.0.1:{kept.getsockname()[1]}", "5 bytes unread"),
+        ]
+        wait_until(lambda: waiting([tenant.pid], frozen=True) == expected, what="both seen")
+        assert freezer.is_frozen(ref)
+    finally:
+        freezer.thaw(ref)
 
 
 def test_the_tenants_own_client_connections_are_outbound_and_never_unanswered(lab: Lab) -> None:

@@ -4,11 +4,11 @@ What is read: the socket inodes the tenant's processes hold (``/proc/PID/fd/*``
 -> ``socket:[INODE]``), then, in each network namespace those processes live in
 (a pod has its own; a host-network process shares the host's), one
 NETLINK_SOCK_DIAG dump of TCP sockets (IPv4 and IPv6 together) and one of Unix
-stream/seqpacket sockets. The
-tenant's own sockets are picked by inode, always (a host namespace holds everyone
-else's too). From them :func:`probe` says what waits (a listener's accept queue,
-unread bytes, and when the tenant is not frozen a TCP request that was read and
-not answered) and where the tenant listens. The rules are in :mod:`.reader`.
+stream/seqpacket sockets. The tenant's own sockets are picked by inode, always (a
+host namespace holds everyone else's too). From them :func:`probe` says what
+waits (a listener's accept queue, unread bytes, and when the tenant is not frozen
+a TCP request that was read and not answered) and where the tenant listens. The
+rules, and what they cannot see, are in :mod:`.reader`.
 
 Why it is safe: sock_diag only reads kernel tables; it does not touch the
 sockets, their queues or their timers, and works the same on a frozen cgroup's
@@ -33,18 +33,19 @@ Needs root (``CAP_SYS_PTRACE`` to read other users' ``/proc/PID/fd`` and
 ``ns/net``, ``CAP_SYS_ADMIN`` for ``setns``); otherwise :class:`SocketDiagError`
 says what was refused. A tenant with no sockets gets an empty answer.
 
-Library decision: our own ~300 lines of ``socket`` + ``struct``, not pyroute2
-(0.9.7 evaluated). pyroute2's ``DiagSocket.get_sock_stats`` does dump inet with
-``tcp_info`` and Unix with ``UDIAG_SHOW_RQLEN``, and decodes them correctly here,
-but: (1) its namespace support forks a child process (``os.fork`` in a daemon
-with gRPC threads) and, given a path with its default ``O_CREAT`` flag, creates a
-namespace when it finds none there; (2) ``DiagSocket`` ignores a ``fileno``
-passed to it, so a socket opened by our own thread in the namespace cannot be
-handed to it; (3) the call is marked "WIP, the signature will change"; (4)
-importing it takes ~170 ms and 160 modules (asyncio included) and the package is
-5 MB, for what is here a handful of fixed C structs of a stable kernel ABI
-(listed in :mod:`.diag`) and a ``recv`` loop. The hard part, the namespace, it
-would not have done for us.
+Library decision: our own module of ``socket`` + ``struct`` (:mod:`.diag`), not
+pyroute2 (0.9.7 evaluated, installed and run here). Its ``DiagSocket`` does dump
+TCP with ``tcp_info`` and Unix sockets with ``UDIAG_SHOW_RQLEN``, decoded
+correctly, but it does not do the part that is hard here, the namespace:
+``DiagSocket(fileno=None)`` takes no namespace and ignores the ``fileno`` it is
+given, so neither it nor a socket our own thread opened in the tenant's
+namespace can be used; pyroute2's namespace helper (``netns.create_socket``)
+forks a child process for each socket (``os.fork`` in a daemon with gRPC
+threads), and by default (``O_CREAT``) creates a namespace of the given name if
+it finds none. ``get_sock_stats`` is marked "WIP, the signature will change".
+Importing it costs ~120-270 ms and ~160 modules (asyncio among them; this
+package: ~40 ms with kiwid's own), the package is 5 MB, and what it would save
+is a handful of fixed C structs of a stable kernel ABI and a ``recv`` loop.
 """
 
 from __future__ import annotations

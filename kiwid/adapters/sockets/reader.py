@@ -4,6 +4,23 @@ One call reads the tenant's socket inodes (:mod:`.owners`), opens one sock_diag
 socket per network namespace they live in (:mod:`.netns`), dumps TCP (v4 and v6
 together) and Unix sockets there once each (:mod:`.diag`), keeps the tenant's
 own by inode and judges them. The rules are in :func:`probe`.
+
+What the rules cannot see:
+
+* The kernel's ``tcp_info`` times tick with ``HZ`` (1-10 ms). A request that
+  comes within one tick of the answer before it, on the same connection, reads
+  as answered, and stays so until more data moves. A parked tenant is idle: its
+  next request comes long after its last answer.
+* A client that sends what needs no answer (HTTP/2 ``WINDOW_UPDATE`` or
+  ``SETTINGS`` acks, an upload stream, a pub/sub subscription) leaves an idle
+  connection looking ``unanswered``. Take ``unanswered`` as a strong hint, not a
+  proof; ``accept`` and ``unread`` are facts.
+* Unix sockets have no such times: only ``accept`` and ``unread`` there.
+  Datagram sockets (UDP, Unix datagram) are not read at all.
+* Connections still in their handshake are not in the accept queue; a full
+  queue (the backlog) stops growing while clients retry.
+* A socket passed in from another namespace is found only if one of the
+  tenant's processes lives in that namespace.
 """
 
 from __future__ import annotations

@@ -28,10 +28,12 @@ from kiwid.adapters.sockets import (
     UNANSWERED,
     UNREAD,
     Listening,
+    Probe,
     SocketDiagError,
     Waiting,
     listening,
     probe,
+    probe_many,
     sockets_of,
     waiting,
 )
@@ -373,6 +375,47 @@ def test_a_tenant_in_its_own_network_namespace_is_read_from_outside(lab: Lab) ->
         tid: ino for tid, ino in before.items() if tid in after
     }
     assert set(after.values()) == set(before.values())
+
+
+def test_probe_many_reads_several_tenants_each_as_probe_would(lab: Lab) -> None:
+    queued = lab.start()
+    queued_port = int(queued.ask("listen tcp 127.0.0.1 0").split()[1])
+    lab.connect("tcp", "127.0.0.1", queued_port)
+    asked = lab.start()
+    listener, port = asked.ask("listen tcp 127.0.0.1 0").split()
+    client = lab.connect("tcp", "127.0.0.1", int(port))
+    connection = asked.ask(f"accept {listener}")
+    client.sendall(b"req")
+    asked.ask(f"recv {connection} 3")
+    apart = lab.start(netns="new")
+    apart.ask("listen tcp 127.0.0.1 8000")
+    apart.ask("connect tcp 127.0.0.1 8000")
+    reaped = subprocess.Popen(["true"])
+    reaped.wait()
+    tenants = {
+        "queued": [queued.pid],
+        "asked": [asked.pid],
+        "asked, frozen": [asked.pid],
+        "apart": [apart.pid],
+        "gone": [reaped.pid],
+    }
+    frozen = {key: key.endswith("frozen") for key in tenants}
+    wait_until_found(lambda: waiting([asked.pid], frozen=False))  # 50 ms after the read
+
+    many = probe_many(tenants, frozen=frozen)
+
+    assert set(many) == set(tenants)
+    for key, pids in tenants.items():
+        found, alone = many[key], probe(pids, frozen=frozen[key])
+        assert isinstance(found, Probe), (key, found)
+        assert kinds(list(found.waiting)) == kinds(list(alone.waiting)), key
+        assert (found.listening, found.sockets) == (alone.listening, alone.sockets), key
+    assert [w.kind for key in ("queued", "asked", "apart") for w in many[key].waiting] == [
+        ACCEPT,
+        UNANSWERED,
+        ACCEPT,
+    ]
+    assert many["asked, frozen"].waiting == many["gone"].waiting == ()
 
 
 def _thread_namespaces() -> dict[int, int]:

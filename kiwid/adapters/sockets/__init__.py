@@ -60,6 +60,7 @@ from kiwid.adapters.sockets.reader import (
     Waiting,
     listening,
     probe,
+    probe_many,
     sockets_of,
     waiting,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "Waiting",
     "listening",
     "probe",
+    "probe_many",
     "sockets_of",
     "waiting",
 ]

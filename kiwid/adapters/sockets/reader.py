@@ -26,8 +26,9 @@ What the rules cannot see:
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kiwid.adapters.sockets.diag import (
     TCP_CLOSE_WAIT,
@@ -40,14 +41,25 @@ from kiwid.adapters.sockets.diag import (
     dump_unix,
 )
 from kiwid.adapters.sockets.netns import diag_sockets
-from kiwid.adapters.sockets.owners import read_owners
+from kiwid.adapters.sockets.owners import NamespaceKey, Owners, read_owners
 
-__all__ = ["Listening", "Probe", "Waiting", "listening", "probe", "sockets_of", "waiting"]
+__all__ = [
+    "Listening",
+    "Probe",
+    "Waiting",
+    "listening",
+    "probe",
+    "probe_many",
+    "sockets_of",
+    "waiting",
+]
 
 ACCEPT = "accept"
 UNREAD = "unread"
 UNANSWERED = "unanswered"
-_CONNECTED = (TCP_ESTABLISHED, TCP_CLOSE_WAIT)  # CLOSE_WAIT: the peer sent, then shut down
+# CLOSE_WAIT: the peer sent, then shut down; its request may still wait.
+_STATES = (TCP_LISTEN, TCP_ESTABLISHED, TCP_CLOSE_WAIT)
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -215,34 +227,99 @@ def probe(pids: Iterable[int], *, frozen: bool, unanswered_after_s: float = 0.05
         SocketDiagError: The sockets cannot be read (not root, a namespace that
             cannot be entered, netlink refused).
     """
-    after_ms = unanswered_after_s * 1000
-    owners = read_owners(pids)
+    found = probe_many({0: pids}, frozen={0: frozen}, unanswered_after_s=unanswered_after_s)[0]
+    if isinstance(found, SocketDiagError):
+        raise found
+    return found
+
+
+class _Seen:
+    """What one tenant's probe has gathered so far, namespace by namespace."""
+
+    def __init__(self) -> None:
+        self.waits: list[Waiting] = []
+        self.listens: set[Listening] = set()
+        self.count = 0
+
+    def add(self, inet: list[InetSocket], unix: list[UnixSocket], frozen: bool, ms: float) -> None:
+        self.count += len(inet) + len(unix)
+        self.waits += _judge_inet(inet, frozen, ms) + _judge_unix(unix)
+        self.listens |= _listening(inet, unix)
+
+    def probe(self) -> Probe:
+        waits = sorted(self.waits, key=lambda w: (w.kind, w.socket))
+        return Probe(tuple(waits), tuple(sorted(self.listens, key=str)), self.count)
+
+
+def probe_many(
+    tenants: Mapping[K, Iterable[int]],
+    *,
+    frozen: Mapping[K, bool],
+    unanswered_after_s: float = 0.05,
+) -> dict[K, Probe | SocketDiagError]:
+    """:func:`probe` several tenants with one dump per network namespace for them all.
+
+    Tenants that share a namespace (host-network ones share the host's, whose
+    dump costs most) are read from the same dumps.
+
+    Args:
+        tenants: Tenant key -> its processes.
+        frozen: Tenant key -> whether it is frozen (as for :func:`probe`).
+        unanswered_after_s: As for :func:`probe`.
+
+    Returns:
+        Tenant key -> what :func:`probe` would return, or the error it would raise.
+    """
+    results: dict[K, Probe | SocketDiagError] = {}
+    owned: dict[K, Owners] = {}
+    spaces: dict[K, set[NamespaceKey]] = {}
+    namespaces: dict[NamespaceKey, int] = {}
+    sockets: dict[NamespaceKey, socket.socket | SocketDiagError] = {}
     try:
-        if not owners.inodes:
-            return Probe((), (), 0)
-        sockets = diag_sockets(owners.namespaces)
+        for key, pids in tenants.items():
+            try:
+                owned[key] = owners = read_owners(pids)
+            except SocketDiagError as err:
+                results[key] = err
+                continue
+            spaces[key] = set(owners.namespaces)
+            for space, fd in owners.namespaces.items():
+                namespaces.setdefault(space, fd)  # the others' copies are closed below
+        sockets = diag_sockets(namespaces)
     finally:
-        owners.close()
-    waits: list[Waiting] = []
-    listens: set[Listening] = set()
-    count = 0
-    wanted = owners.inodes.__contains__
+        for owners in owned.values():
+            owners.close()
+    seen = {key: _Seen() for key in owned}
+    inodes = set().union(*(owners.inodes for owners in owned.values()))
     try:
-        for key, sock in sockets.items():
-            if isinstance(sock, SocketDiagError):
-                pids_there = ", ".join(map(str, owners.pids[key]))
-                raise SocketDiagError(f"processes {pids_there}: {sock}", sock.errno) from sock
-            inet = dump_tcp(sock, (TCP_LISTEN, *_CONNECTED), wanted, times=not frozen)
-            unix = dump_unix(sock, wanted)
-            count += len(inet) + len(unix)
-            waits += _judge_inet(inet, frozen, after_ms) + _judge_unix(unix)
-            listens |= _listening(inet, unix)
+        for space, sock in sockets.items():
+            here = [key for key in owned if space in spaces[key]]
+            try:
+                if isinstance(sock, SocketDiagError):
+                    raise sock
+                live = any(not frozen[key] for key in here)
+                tcp = dump_tcp(sock, _STATES, inodes.__contains__, times=live)
+                unix = dump_unix(sock, inodes.__contains__)
+            except SocketDiagError as err:
+                for key in here:
+                    there = ", ".join(map(str, owned[key].pids[space]))
+                    results[key] = SocketDiagError(f"processes {there}: {err}", err.errno)
+                continue
+            for key in here:
+                mine = owned[key].inodes
+                seen[key].add(
+                    [s for s in tcp if s.inode in mine],
+                    [s for s in unix if s.inode in mine],
+                    frozen[key],
+                    unanswered_after_s * 1000,
+                )
     finally:
         for sock in sockets.values():
             if isinstance(sock, socket.socket):
                 sock.close()
-    waits.sort(key=lambda w: (w.kind, w.socket))
-    return Probe(tuple(waits), tuple(sorted(listens, key=str)), count)
+    for key in owned:
+        results.setdefault(key, seen[key].probe())
+    return results
 
 
 def waiting(

@@ -8,8 +8,10 @@ bench process itself holds ``--background`` more sockets in its own (the host's)
 namespace, which every dump there must walk past: a host-network tenant pays for
 its neighbours. Prints the per-call wall time (median, p90) and CPU time (mean, user
 and kernel) of ``probe`` frozen (no ``tcp_info``) and not frozen, and of its
-first step alone (reading ``/proc/PID/fd``). Needs root. Target: median < 5 ms
-for a 100-socket tenant in a namespace of its own (1 % of a core at a 0.5 s poll).
+first step alone (reading ``/proc/PID/fd``); then ``--tenants`` host-network
+tenants read one ``probe`` each and all at once with ``probe_many``. Needs root.
+Target: median < 5 ms for a 100-socket tenant in a namespace of its own (1 % of
+a core at a 0.5 s poll).
 
 Most of a call is the kernel's: an inet_diag dump walks the whole TCP
 established hash table (``net.ipv4.tcp_ehash_entries`` buckets, sized by RAM,
@@ -17,6 +19,7 @@ shared by every namespace unless ``tcp_child_ehash_entries`` gave it its own),
 once per family, however few sockets the namespace holds.
 
     .venv/bin/python bench/sockets_probe.py [--sizes 10,100,1000] [--background 2000]
+        [--tenants 10] [--rounds 200]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Callable
 
 from _kiwid import machine
 
-from kiwid.adapters.sockets import probe, sockets_of
+from kiwid.adapters.sockets import probe, probe_many, sockets_of
 
 # The tenant: N sockets (a listener, then connections to itself, both ends kept).
 TENANT = r"""
@@ -93,11 +96,31 @@ def timings(call: Callable[[], object], rounds: int) -> tuple[float, float, floa
     return statistics.median(samples), samples[int(len(samples) * 0.9)], cpu
 
 
+def batch(count: int, rounds: int) -> None:
+    """``count`` host-network tenants of 10 sockets: one probe each, or probe_many."""
+    tenants = [start_tenant(10, own_netns=False) for _ in range(count)]
+    try:
+        keys = {str(t.pid): [t.pid] for t in tenants}
+        each = timings(lambda: [probe(p, frozen=False) for p in keys.values()], rounds)
+        frozen = dict.fromkeys(keys, False)
+        many = timings(lambda: probe_many(keys, frozen=frozen), rounds)
+    finally:
+        for tenant in tenants:
+            tenant.kill()
+            tenant.wait()
+    print(
+        f"{count} host-network tenants of 10 sockets, not frozen: a probe each "
+        f"{each[0]:.2f}/{each[1]:.2f}/{each[2]:.2f}, probe_many "
+        f"{many[0]:.2f}/{many[1]:.2f}/{many[2]:.2f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10,100,1000", help="sockets per tenant")
     parser.add_argument("--background", type=int, default=2000, help="host sockets")
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--tenants", type=int, default=10, help="for probe_many")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     limit = args.background + 64
@@ -135,6 +158,7 @@ def main() -> None:
                         f"netns: {'met' if met else 'MISSED'} "
                         f"({max(frozen[0], live[0]):.2f} ms)"
                     )
+        batch(args.tenants, args.rounds)
     finally:
         for sock in background:
             sock.close()

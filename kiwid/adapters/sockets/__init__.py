@@ -22,11 +22,13 @@ never change namespace (:mod:`.netns` says why a thread rather than a fork).
 Holding the namespace open from ``/proc/PID/ns/net`` to the dump means the
 process may exit meanwhile: its sockets are then simply gone from the answer.
 
-Cost per call: reading ``/proc/PID/fd`` (one ``readlink`` per descriptor), and per
-namespace where the tenant holds sockets one thread (unless it is kiwid's own),
-one netlink socket and two dumps; the TCP dump's kernel time dominates (see
-:mod:`.diag`). Sockets that are not the tenant's cost one
+Cost per call: reading ``/proc/PID/fd`` (one ``readlink`` per descriptor); one
+helper thread, unless every namespace is kiwid's own; and per namespace where
+the tenant holds sockets one netlink socket and two dumps. The TCP dump's kernel
+time dominates (see :mod:`.diag`). Sockets that are not the tenant's cost one
 ``struct.unpack_from`` each; ``tcp_info`` is asked for only when not frozen.
+:func:`probe_many` reads several tenants with one dump per namespace among them
+all: host-network tenants then share the host's dump, the dearest.
 ``bench/sockets_probe.py`` measures it.
 
 Needs root (``CAP_SYS_PTRACE`` to read other users' ``/proc/PID/fd`` and
@@ -44,8 +46,10 @@ forks a child process for each socket (``os.fork`` in a daemon with gRPC
 threads), and by default (``O_CREAT``) creates a namespace of the given name if
 it finds none. ``get_sock_stats`` is marked "WIP, the signature will change".
 Importing it costs ~120-270 ms and ~160 modules (asyncio among them; this
-package: ~40 ms with kiwid's own), the package is 5 MB, and what it would save
-is a handful of fixed C structs of a stable kernel ABI and a ``recv`` loop.
+package: ~40 ms with kiwid's own), the package is 5 MB, its dumps took longer
+here (TCP v4 and v6: 5.2 ms against 2.2; Unix: 0.5 ms against 0.04), and what
+it would save is a handful of fixed C structs of a stable kernel ABI and a
+``recv`` loop.
 """
 
 from __future__ import annotations

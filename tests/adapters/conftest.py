@@ -7,6 +7,9 @@ on the stand-in libcuda, built once per session; it ends the tenants it started.
 cgroup2 hierarchy and in the v1 freezer hierarchy (where mounted), and spawns
 child processes. Whatever happens in the test, teardown thaws every cgroup under
 the top one, kills and reaps every child, and removes the cgroups bottom-up.
+
+``lab`` starts programs holding real sockets for the sock_diag tests
+(``socket_lab.py``) and kills them after the test, whatever happened.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import pytest
 
 from kiwid.adapters.cgroups import CgroupLayout, CgroupRef
+from tests.adapters.socket_lab import Lab
 from tests.helpers import wait_for
 from tests.stand_ins import cudadir
 from tests.stand_ins.cudadouble import DriverDouble, NoCompiler, build_library
@@ -145,3 +149,13 @@ def double(
         yield card
     finally:
         card.close()
+
+
+@pytest.fixture
+def lab() -> Iterator[Lab]:
+    """Programs with sockets and client sockets (socket_lab.py), all ended after the test."""
+    box = Lab()
+    try:
+        yield box
+    finally:
+        box.close()

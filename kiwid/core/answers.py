@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from kiwid.core import parking
 from kiwid.core.events import Action, Converge, Converged, MemorySplit, SwapFinished
 from kiwid.core.lever import Pull, pull
 from kiwid.core.model import GpuId, TenantId, TenantState
@@ -138,6 +139,7 @@ def swap_finished(
             else:
                 mem.swap_refusal = f"its swap-out failed: {why}"
                 mem.refused_until_run = True
+            parking.unpark_resident(table, tenant, now, actions)
         return set(tenant.gpus)
     if mem.residency not in (R.SWAPPING_IN, R.PREFETCHING):
         return set()
@@ -145,6 +147,7 @@ def swap_finished(
     ledger.swap_s += max(0.0, event.seconds)
     if event.ok:
         mem.residency = move(mem.residency, Move.IN_DONE)
+        mem.restored_for_turn = True
         ledger.swapped_in_bytes += event.moved_bytes
         _learn_rate(table.restore_rate, tenant, event)
         return set(tenant.gpus)

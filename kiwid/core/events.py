@@ -203,6 +203,20 @@ class TenantAdopted:
 
 
 @dataclass(frozen=True)
+class WakeAsked:
+    """Wake a parked tenant: it joins the queue as a burst (nothing if it is not parked).
+
+    ``reason``: ``request`` (a request waits on one of its sockets, seen by the
+    shell), or ``operator`` (``kiwictl wake``, or a router's ``wake`` command);
+    ``detail`` says what waits, or who asked.
+    """
+
+    tenant: TenantId
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class TenantPolicySet:
     """A tenant's weight, priority, TQ and swap policy (set, or changed)."""
 
@@ -338,6 +352,7 @@ Event = (
     | Released
     | TenantAdopted
     | TenantPolicySet
+    | WakeAsked
     | Admitted
     | HostMemorySeen
     | MemoryFreeSeen

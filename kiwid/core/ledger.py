@@ -1,7 +1,7 @@
 """Per-tenant GPU-time accounting, kept by the scheduling core.
 
 Every state change closes the time spent in the previous state, so at any
-moment ``holding + waiting + corunning + idle + stuck + released`` equals the
+moment ``holding + waiting + corunning + idle + parked + stuck + released`` equals the
 time since the tenant was first seen. Counters say how the GPU was handed over. The ledger
 lives as long as the daemon (it survives reloads; a restart resets it).
 """
@@ -36,6 +36,10 @@ class Ledger:
     swapped_in_bytes: int = 0
     swap_s: float = 0.0
     """Time its memory spent moving between the GPU and host RAM."""
+    restores_wasted: int = 0
+    """Restores of its memory after which it did no GPU work in its turn."""
+    wakes: int = 0
+    """Times it was woken from parked."""
 
     def close(self, state: TenantState, since: float, now: float) -> None:
         """Book the time from ``since`` to ``now`` to ``state``."""
@@ -65,6 +69,9 @@ class Ledger:
             swap_s=self.swap_s,
             stuck_s=seconds[TenantState.STUCK],
             released_s=seconds[TenantState.RELEASED],
+            parked_s=seconds[TenantState.PARKED],
+            restores_wasted=self.restores_wasted,
+            wakes=self.wakes,
         )
 
 
@@ -88,6 +95,12 @@ class LedgerView:
     """Time it spent stuck (gated, holding nothing, waiting for an operator)."""
     released_s: float = 0.0
     """Time it ran ungated, outside the rotation, released by an operator."""
+    parked_s: float = 0.0
+    """Time it spent parked (idle, its memory in host RAM, out of the queue)."""
+    restores_wasted: int = 0
+    """Restores after which it did no GPU work in its turn."""
+    wakes: int = 0
+    """Times it was woken from parked."""
 
     @property
     def total_s(self) -> float:
@@ -97,6 +110,7 @@ class LedgerView:
             + self.waiting_s
             + self.corunning_s
             + self.idle_s
+            + self.parked_s
             + self.stuck_s
             + self.released_s
         )

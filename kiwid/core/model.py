@@ -79,6 +79,10 @@ class TenantPolicy:
         memory_bytes: The GPU memory it declared it needs on each of its GPUs (bytes;
             ``None``: none declared). Its first turn is sized by it, and it is never
             sized below it; a larger footprint, seen or remembered, wins.
+        park: Whether it may park when idle (its memory in host RAM, out of the
+            queue until a request or an operator wakes it), where its GPUs park
+            (``memory.park``). ``False``: a rule's ``park = false`` or a pod's
+            ``kiwi.io/park: "false"`` keeps it in the rotation.
     """
 
     MIN_WEIGHT: ClassVar[float] = 0.01
@@ -96,6 +100,7 @@ class TenantPolicy:
     tq_s: float | None = None
     swap: TenantSwap = TenantSwap.ALLOW
     memory_bytes: int | None = None
+    park: bool = True
 
     @staticmethod
     def memory_refusal(memory: object) -> str | None:
@@ -196,6 +201,10 @@ class TenantState(enum.StrEnum):
     """An operation on it failed for good, ran past its deadline, or left the driver
     out of step: it stays gated, holds nothing and waits for an operator (``kiwictl
     retry`` or ``release``) while everyone else rotates."""
+    PARKED = "parked"
+    """Idle with its memory in host RAM (or on its way there): gated, out of the queue,
+    holding no turn and costing no swap, until a request waits on one of its sockets
+    or an operator (``kiwictl wake``) wakes it; then it waits for a turn as a burst."""
     RELEASED = "released"
     """A stuck tenant an operator let go: it runs ungated, outside the rotation, until
     it leaves or ``kiwictl retry`` brings it back."""
@@ -222,6 +231,10 @@ class GpuPolicy:
         link_bytes_per_s: The rates (out to host RAM, back in) a swap is expected to
             run at until one is seen on this GPU (``None``: the slowest expected of
             the driver's checkpoint on an H200).
+        park: Whether idle tenants park (``memory.park = "idle"``): one swapped out
+            for room while idle, or one that did no GPU work in a turn it got, stays in
+            host RAM, out of the queue, until woken. ``False`` (``"off"``): it waits
+            for a turn like any other.
     """
 
     tq_s: float = 30.0
@@ -234,6 +247,7 @@ class GpuPolicy:
     max_wait_s: float | None = None
     newcomer: Newcomer = Newcomer.WHOLE_CARD
     link_bytes_per_s: tuple[float, float] | None = None
+    park: bool = True
 
     def __post_init__(self) -> None:
         """Reject values the scheduler cannot honour.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from kiwid.core import memory
+from kiwid.core import memory, parking
 from kiwid.core.events import Action, SwapIn, SwapOut
 from kiwid.core.handover import Phase
 from kiwid.core.model import GpuId, SwapMode, TenantState
@@ -267,18 +267,21 @@ def _make_room(
     everyone = memory.wants_whole_card(t, table.policies[gpu])
     planned = False
     for victim in memory.victims(t, gpu, table.members(gpu), missing, modes, everyone=everyone):
-        if _floor_refusal(table, victim):
+        if floor_refusal(table, victim):
             continue
         if victim.state is S.IDLE:  # it must be gated before it can be swapped
             table.gate(victim, actions)
-            table.set_state(victim, Trigger.SWAPPED_OUT, now)
-            victim.seq = table.next_seq()
+            if parking.may_park(table, victim):  # no turn for it until it is asked for
+                table.set_state(victim, Trigger.PARKED_IDLE, now)
+            else:
+                table.set_state(victim, Trigger.SWAPPED_OUT, now)
+                victim.seq = table.next_seq()
         swap_out(table, victim, actions)
         planned = True
     return planned
 
 
-def _floor_refusal(table: TenantTable, t: TenantRecord) -> str | None:
+def floor_refusal(table: TenantTable, t: TenantRecord) -> str | None:
     """Refuse (and say why) a swap-out that would leave host RAM below the floor."""
     leaving = sum(
         o.held(g)
@@ -295,7 +298,7 @@ def _floor_refusal(table: TenantTable, t: TenantRecord) -> str | None:
 
 def swap_out(table: TenantTable, t: TenantRecord, actions: list[Action]) -> None:
     """Send a gated tenant's memory to host RAM, unless the host RAM floor forbids it."""
-    if _floor_refusal(table, t) is not None:
+    if floor_refusal(table, t) is not None:
         return
     t.memory.residency = move(t.memory.residency, Move.SWAP_OUT)
     _moving(table, t, "out")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiwid.core import room, timers
+from kiwid.core import parking, room, timers
 from kiwid.core.events import Action
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.residency import Move, Residency, move
@@ -62,7 +62,8 @@ def reconcile(
     """
     changes = table.changes
     among, gpus = _scope(table, scope)
-    release_quiet(table, among, now)  # 1
+    release_quiet(table, among, now, actions)  # 1
+    parking.wake_unparkable(table, among, now)  # 1a
     # After the releases: they may change auto-mode gating.
     p = Pass(table, among, table.gating(gpus), now, actions)
     regate_loose(p)  # 1b
@@ -125,12 +126,26 @@ def _scope(
     return among, gpus
 
 
-def release_quiet(table: TenantTable, among: list[TenantRecord], now: float) -> None:
-    """1. Early release: running bursts that went quiet for ``idle_release`` go idle."""
+def release_quiet(
+    table: TenantTable, among: list[TenantRecord], now: float, actions: list[Action]
+) -> None:
+    """1. Early release: running bursts that went quiet for ``idle_release`` go idle.
+
+    A holder that did no GPU work in all of its turn parks instead, where it may
+    (:mod:`kiwid.core.parking`): gated, its memory to host RAM, out of the queue.
+    """
     for t in among:
         if t.state in _RUNNING and not t.gated and now >= table.idle_at(t):
+            if t.state is S.HOLDER and t.turn.silent() and _parks(table, t):
+                parking.park_unused(table, t, now, actions)
+                room.swap_out(table, t, actions)
+                continue
             table.set_state(t, Trigger.IDLE_TIMEOUT, now)
             t.turn.granted_at = None
+
+
+def _parks(table: TenantTable, t: TenantRecord) -> bool:
+    return parking.may_park(table, t) and room.floor_refusal(table, t) is None
 
 
 def regate_loose(p: Pass) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from kiwid.core import answers, faults, memory, rotation, snapshot
+from kiwid.core import answers, faults, memory, parking, rotation, snapshot
 from kiwid.core.events import (
     Action,
     ActivitySeen,
@@ -71,6 +71,7 @@ from kiwid.core.events import (
     TenantUnswappable,
     Tick,
     Ungated,
+    WakeAsked,
     Want,
 )
 from kiwid.core.ledger import LedgerView
@@ -351,6 +352,12 @@ class Scheduler:
         tenant.cls.set_policy(e.policy)
         return set(tenant.gpus)
 
+    def _wake(self, e: WakeAsked, now: float, actions: list[Action]) -> Scope:
+        tenant = self._t.tenants.get(e.tenant)
+        if tenant is None or not parking.wake(self._t, tenant, e.reason, e.detail, now):
+            return set()
+        return set(tenant.gpus)
+
     def _admitted(self, e: Admitted, now: float, actions: list[Action]) -> Scope:
         tenant = self._t.tenants.get(e.tenant)
         if tenant is None or tenant.state is not S.IDLE or not self.would_wait(e.tenant):
@@ -410,6 +417,7 @@ class Scheduler:
         Released: _released,
         TenantAdopted: _adopt,
         TenantPolicySet: _policy_set,
+        WakeAsked: _wake,
         Admitted: _admitted,
         HostMemorySeen: _host_memory,
         MemoryFreeSeen: _free_memory,

@@ -5,7 +5,7 @@ Everything here reads the tables and copies what it shows; nothing decides.
 
 from __future__ import annotations
 
-from kiwid.core import memory, room
+from kiwid.core import memory, parking, room
 from kiwid.core.model import GpuId, TenantId, TenantState
 from kiwid.core.residency import Residency
 from kiwid.core.table import TenantTable
@@ -96,10 +96,18 @@ def view(table: TenantTable, now: float) -> SchedulerView:
             gate_pending=t.gate_pending,
             released_note=t.fault.released,
             foreign_short=_foreign_short(table, t),
+            last_wake=t.turn.last_wake,
+            parks=parking.unparkable(table, t),
         )
         for t in sorted(table.tenants.values(), key=lambda t: t.id)
     )
-    return SchedulerView(now=now, gpus=tuple(gpus), tenants=tenants)
+    return SchedulerView(
+        now=now,
+        gpus=tuple(gpus),
+        tenants=tenants,
+        wakes=dict(table.wakes),
+        restores_wasted=table.restores_wasted,
+    )
 
 
 def _handover(table: TenantTable, gpu: GpuId) -> HandoverView | None:

@@ -5,7 +5,7 @@ table does not list raises :class:`InvalidTransition` and leaves the tenant as
 it was. ``docs/states.md`` is generated from this table and the residency table
 (``python -m kiwid.core.diagrams``).
 
-Waiting tenants are gated; so is a holder whose memory is still coming back to
+Waiting and parked tenants are gated; so is a holder whose memory is still coming back to
 the card (it is let go once it is there: :mod:`kiwid.core.residency`), and so is
 a stuck one, which waits for an operator while the others rotate.
 """
@@ -43,6 +43,16 @@ class Trigger(enum.StrEnum):
         "an operation on it failed for good, ran past its deadline, or left the driver out of step"
     )
     GATE_MENDED = "its gate, tried again, took: it waits for its turn"
+    PARKED_IDLE = (
+        "idle when its memory went to host RAM to make room: parked, out of the queue "
+        "until a request or an operator wakes it"
+    )
+    TURN_UNUSED = "no GPU work in the turn it got: parked, its memory goes back to host RAM"
+    WOKEN = (
+        "a request waits on one of its sockets, an operator or a router woke it "
+        "(kiwictl wake), or parking no longer applies to it: it waits for a turn"
+    )
+    UNPARKED = "its memory could not leave the card: it is let go, idle"
     RETRIED = "an operator asked kiwid to try again (kiwictl retry), and it could"
     RELEASED = "an operator let it run ungated (kiwictl release)"
 
@@ -67,6 +77,11 @@ TRANSITIONS: dict[tuple[TenantState, Trigger], TenantState] = {
     (S.HOLDER, T.SWAP_IN_FAILED): S.WAITING,
     (S.HOLDER, T.PASSED_OVER): S.WAITING,
     (S.IDLE, T.ADOPTED): S.WAITING,
+    (S.IDLE, T.PARKED_IDLE): S.PARKED,
+    (S.HOLDER, T.TURN_UNUSED): S.PARKED,
+    (S.PARKED, T.WOKEN): S.WAITING,
+    (S.PARKED, T.UNPARKED): S.IDLE,
+    (S.PARKED, T.FAULTED): S.STUCK,
     (S.IDLE, T.FAULTED): S.STUCK,
     (S.HOLDER, T.FAULTED): S.STUCK,
     (S.WAITING, T.FAULTED): S.STUCK,

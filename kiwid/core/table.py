@@ -65,6 +65,10 @@ class TenantTable:
         """Per GPU, the hand-over under way: granted, not running yet."""
         self.last_holder: dict[GpuId, TenantId] = {}
         """Per GPU, who held it last (the one a hand-over is from)."""
+        self.wakes: dict[str, int] = {}
+        """Parked tenants woken since start, by reason (:mod:`kiwid.core.parking`)."""
+        self.restores_wasted = 0
+        """Restores since start after which the tenant did no GPU work in its turn."""
         self.changes = 0
         """Bumped by every state change: a pass that saw none can reuse what it counted."""
         self._seq = itertools.count()
@@ -295,13 +299,11 @@ class TenantTable:
         """When a running holder or co-runner without further activity goes idle."""
         if tenant.gated or tenant.ungate_pending:
             return math.inf  # not let go yet, or its unlock is under way: it cannot run
-        began = (
-            tenant.turn.window_at if tenant.turn.window_at is not None else tenant.turn.granted_at
-        )
+        began = tenant.turn.began
         start = max(
             (t for t in (began, tenant.turn.last_active) if t is not None), default=self.now
         )
-        if _silent_since(tenant, began):
+        if tenant.turn.silent():
             start -= tenant.turn.quiet_s  # silent in its earlier turns too
         return start + self.policy_of(tenant).idle_release_s
 
@@ -326,6 +328,7 @@ class TenantTable:
         elif trigger is Trigger.IDLE_TIMEOUT and leaving_hold:
             ledger.early_releases += 1
         if leaving_hold:
+            self._count_restore(tenant)
             self.end_handover(tenant)
             for gpu in tenant.gpus:
                 self.last_holder[gpu] = tenant.id
@@ -335,23 +338,31 @@ class TenantTable:
                 tenant.turn.remaining_s = None
         if tenant.running and new not in (S.HOLDER, S.CORUNNING):
             # Its turn ends: carry the silence at its end into the next one.
-            began = (
-                tenant.turn.window_at
-                if tenant.turn.window_at is not None
-                else tenant.turn.granted_at
-            )
+            began = tenant.turn.began
             if began is not None:
-                if _silent_since(tenant, began):
+                if tenant.turn.silent():
                     tenant.turn.quiet_s += now - began
                 else:
                     tenant.turn.quiet_s = now - (tenant.turn.last_active or now)
         if new is S.IDLE:
+            tenant.memory.restored_for_turn = False
             tenant.turn.window_at = None  # its burst is over
             tenant.turn.quiet_s = 0.0
         self.transitions.append(Transition(tenant.id, tenant.state, new, trigger, now))
         self.changes += 1
         tenant.state = new
         tenant.state_since = now
+
+    def _count_restore(self, tenant: TenantRecord) -> None:
+        """A holder's turn ends: was the restore that brought it back wasted?
+
+        Wasted if it was let go and did no GPU work since (counted for everyone,
+        parked or not: the cost that parking saves).
+        """
+        if tenant.memory.restored_for_turn and tenant.running and tenant.turn.silent():
+            tenant.ledger.restores_wasted += 1
+            self.restores_wasted += 1
+        tenant.memory.restored_for_turn = False
 
     def begin_handover(self, tenant: TenantRecord, gpus: Iterable[GpuId], now: float) -> None:
         """``tenant`` was granted ``gpus`` while gated: their hand-overs to it begin."""
@@ -420,6 +431,7 @@ class TenantTable:
         if tenant.cls.boosted:
             tenant.cls.set_boost(False)
         tenant.memory.move_due = math.inf
+        tenant.memory.restored_for_turn = False
         tq = self.policy_of(tenant).tq_s
         tenant.fault.regate_at = math.inf if fault.contained else now + tq
         if fence:
@@ -434,7 +446,9 @@ class TenantTable:
         tenant.lever = pull(tenant.lever, Pull.UNGATE)
         epoch = self.new_epoch(tenant)
         tenant.turn.waiting_for = None
-        if tenant.memory.refused_until_run:
+        if tenant.memory.refused_until_run and tenant.state is not S.IDLE:
+            # A turn: its swap-out may be tried again (not an idle one let go after
+            # its swap-out failed, which would be taken for room again at once).
             tenant.memory.swap_refusal = None
             tenant.memory.refused_until_run = False
         actions.append(Ungate(tenant.id, epoch=epoch))
@@ -447,10 +461,3 @@ class TenantTable:
         self.set_state(tenant, trigger, now)
         tenant.turn.granted_at = None
         tenant.seq = self.next_seq()
-
-
-def _silent_since(tenant: TenantRecord, began: float | None) -> bool:
-    """Whether ``tenant`` showed no GPU work since ``began`` (its turn's start)."""
-    return began is not None and (
-        tenant.turn.last_active is None or tenant.turn.last_active < began
-    )

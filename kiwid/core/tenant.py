@@ -57,6 +57,19 @@ class Turn:
     """Granted, its restore waits for the card's free memory since then."""
     last_preemption: tuple[float, str, TenantId | None] | None = None
     """When it was last preempted, why (``quantum`` or ``priority``), and for whom."""
+    last_wake: tuple[float, str, str] | None = None
+    """When it was last woken from parked, why (``request``, ``operator`` or
+    ``policy``), and what woke it (the socket and what waits on it, or who asked)."""
+
+    @property
+    def began(self) -> float | None:
+        """When its present window to show GPU work began: its let-go, else its grant."""
+        return self.window_at if self.window_at is not None else self.granted_at
+
+    def silent(self) -> bool:
+        """Whether it was let go and showed no GPU work since (its turn unused so far)."""
+        began = self.began
+        return began is not None and (self.last_active is None or self.last_active < began)
 
 
 @dataclass
@@ -79,6 +92,9 @@ class Memory:
     """Why its memory may not be moved for now (``None``: it may)."""
     refused_until_run: bool = False
     """``swap_refusal`` came from a failed swap-out: it holds until it runs again."""
+    restored_for_turn: bool = False
+    """Its memory came back from host RAM for the turn it holds or waits for: if it
+    does no GPU work in that turn, the restore was wasted (``ledger.restores_wasted``)."""
     move_due: float = math.inf
     """A move of it in flight should be done by then (its size at the rate seen so
     far): past it, the move is overdue and the tenant is passed over for its turn."""
@@ -152,8 +168,8 @@ class TenantRecord:
 
     @property
     def bursting(self) -> bool:
-        """Whether it is in a burst (any state but idle)."""
-        return self.state is not S.IDLE
+        """Whether it is in a burst (any state but idle and parked)."""
+        return self.state is not S.IDLE and self.state is not S.PARKED
 
     @property
     def running(self) -> bool:

@@ -93,7 +93,7 @@ def update_deadlines(
 
     for t in among:
         state = t.state
-        if state is S.IDLE:
+        if state is S.IDLE or state is S.PARKED:
             continue
         if t.loose and not t.gated:
             if not t.fault.mending:  # (a release in flight: its answer wakes the core)

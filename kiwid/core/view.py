@@ -133,6 +133,10 @@ class TenantView:
     """Gated in host RAM, its restore waits for free memory that the driver's reading
     lacks although the scheduler's own count has room: memory nobody kiwid knows
     holds (why, in words; ``None``: not so). No wait bound holds while it lasts."""
+    last_wake: tuple[float, str, str] | None = None
+    """When it was last woken from parked (monotonic s), why, and what woke it."""
+    parks: str | None = None
+    """``None`` if it parks when idle; else why it may not (a rule, its GPU's policy)."""
 
 
 @dataclass(frozen=True)
@@ -142,3 +146,7 @@ class SchedulerView:
     now: float
     gpus: tuple[GpuView, ...]
     tenants: tuple[TenantView, ...]
+    wakes: Mapping[str, int] = field(default_factory=dict)
+    """Parked tenants woken since start, by reason."""
+    restores_wasted: int = 0
+    """Restores since start after which the tenant did no GPU work in its turn."""

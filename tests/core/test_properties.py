@@ -36,6 +36,9 @@ from kiwid.core.events import (
     Released,
     Retry,
     RetryAsked,
+    SwapFinished,
+    SwapIn,
+    SwapOut,
     TenantAttached,
     TenantDetached,
     TenantFaulted,
@@ -43,8 +46,9 @@ from kiwid.core.events import (
     Tick,
     Ungate,
     Ungated,
+    WakeAsked,
 )
-from kiwid.core.model import GpuPolicy, Mode, TenantPolicy, TenantState
+from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantPolicy, TenantState
 from kiwid.core.residency import Residency
 from kiwid.core.scheduler import Scheduler
 from tests.helpers import steps as clock_steps
@@ -53,7 +57,9 @@ GiB = 2**30
 GPUS = ("0", "1", "2")
 TENANTS = tuple(f"t{i}" for i in range(6))
 S = TenantState
-BURSTING = (S.HOLDER, S.WAITING, S.CORUNNING, S.STUCK)
+BURSTING = (S.HOLDER, S.WAITING, S.CORUNNING, S.STUCK, S.PARKED)
+"""Tenants that must be held while another is let go on their GPUs (a parked one too:
+it was gated when it parked, and may run until that gate took)."""
 RUNNING = (S.HOLDER, S.CORUNNING)
 """Tenants in a burst whose running matters (a released one runs on an operator's word)."""
 
@@ -66,6 +72,8 @@ policies = st.builds(
     reserve_bytes=st.just(GiB),
     preempt_after_s=st.sampled_from([0.0, 0.0, 3.0]),
     max_wait_s=st.sampled_from([None, None, 20.0]),
+    swap=st.sampled_from([SwapMode.NONE, SwapMode.AUTO, SwapMode.CHECKPOINT]),
+    park=st.booleans(),
 )
 gpu_sets = st.frozensets(st.sampled_from(GPUS), min_size=1, max_size=3)
 tenants = st.sampled_from(TENANTS)
@@ -115,8 +123,10 @@ def steps_with(gpu_policies: st.SearchStrategy[GpuPolicy]) -> st.SearchStrategy[
                 weight=st.sampled_from([0.5, 1.0, 3.0]),
                 priority=st.integers(0, 2),
                 tq_s=st.sampled_from([None, None, 2.0]),
+                park=st.sampled_from([True, True, False]),
             ),
         ),
+        st.builds(WakeAsked, tenants, st.sampled_from(["request", "operator"])),
         st.builds(Answer, st.integers(0, 5), st.sampled_from([True, True, True, False])),
         st.builds(Answer, st.integers(0, 5), st.just(True)),
         st.builds(
@@ -253,11 +263,17 @@ class Run:
                 if want is None:
                     return []
                 (self.frozen.add if want.gated else self.frozen.discard)(tenant)
-                return [Converged(tenant, not want.gated, Residency.RESIDENT, epoch=want.epoch)]
+                found = want.memory or Residency.RESIDENT  # driven where wanted
+                return [Converged(tenant, not want.gated, found, epoch=want.epoch)]
             case Fence():
                 self.frozen.add(tenant)
                 return [Converged(tenant, False, None, epoch=e)]
-        return []  # swaps: this world's tenants use no memory that moves
+            case SwapOut() | SwapIn():
+                way = "out" if isinstance(job, SwapOut) else "in"
+                size = sum(self.sched.peak(tenant).values())
+                moved = size if ok else 0
+                return [SwapFinished(tenant, way, ok, moved, 1.0, reason="no", epoch=e)]
+        return []
 
     def trouble(self, trouble: Trouble) -> None:
         tenant = trouble.tenant
@@ -323,6 +339,8 @@ class Run:
                 pass  # asked after a fault, or an answer of an old epoch: any time
             else:  # swaps: only of gated tenants that are not stuck
                 assert t.state is not S.STUCK and t.gated, action
+                # A parked tenant's memory stays in host RAM: it is never restored.
+                assert not (isinstance(action, SwapIn) and t.state is S.PARKED), action
         assert self.gated == {t.tenant for t in view.tenants if t.gated}, (event, actions)
         # Per gating GPU, one tenant at most runs or will once its unlock returns (an
         # unlock not followed by a gate): a tenant whose unlock is slow shows no work,
@@ -348,6 +366,9 @@ class Run:
                 assert pending, f"{t.tenant} runs, gated in the core ({event})"
             if t.state is S.WAITING:
                 assert t.gated, f"{t.tenant} waits ungated"
+            if t.state is S.PARKED:  # gated, its memory off the card or on its way
+                assert t.gated, f"{t.tenant} parked ungated"
+                assert t.residency in (Residency.SWAPPING_OUT, Residency.HOST), t
             if t.state is S.STUCK:
                 assert t.fault is not None
                 # Gated as it is contained, or (not contained) while its gate is tried again.
@@ -371,14 +392,19 @@ class Run:
         was_waiting = {t.tenant for t in before.tenants if t.state is S.WAITING}
         gpus_now = {t.tenant: t.gpus for t in view.tenants}
         rank = {t.tenant: (t.boosted, t.policy.priority) for t in view.tenants}
+        # One whose memory is still moving may be passed over (its move runs late), and
+        # one whose memory could not come back steps aside for a TQ: both say why.
+        aside = {t.tenant for t in view.tenants if t.residency.moving or t.waiting_for}
         for gpu in before.gpus:
             order = [w.tenant for w in gpu.waiters]
+            assert not {o for o in order if states_now.get(o) is S.PARKED}, "parked in a queue"
             for i, tenant in enumerate(order):
                 if tenant in was_waiting and states_now.get(tenant) is S.HOLDER:
                     ahead = [
                         a
                         for a in order[:i]
                         if states_now.get(a) is S.WAITING  # and still on a GPU it wants,
+                        and a not in aside
                         and gpus_now.get(a, frozenset()) & gpus_now.get(tenant, frozenset())
                         and rank[a] >= rank[tenant]  # in a class as high (FIFO is per class)
                     ]

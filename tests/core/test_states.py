@@ -34,12 +34,26 @@ def test_only_waiting_is_reached_by_gating_triggers() -> None:
         Trigger.ADOPTED,  # a previous kiwid gated it
         Trigger.GATE_MENDED,  # a stuck tenant's gate took when tried again
         Trigger.RETRIED,  # a stuck tenant mended: gated, it waits for its turn
+        Trigger.WOKEN,  # a parked tenant (gated) asked for: it waits for its turn
     }
     for (state, trigger), target in TRANSITIONS.items():
         if state is TenantState.RELEASED:  # back into the rotation: it runs free till its burst
             assert target is TenantState.IDLE
             continue
         assert (target is TenantState.WAITING) == (trigger in gating)
+
+
+def test_a_tenant_parks_only_idle_and_leaves_parked_only_woken_unparked_or_stuck() -> None:
+    into = {t for (s, t), target in TRANSITIONS.items() if target is TenantState.PARKED}
+    assert into == {Trigger.PARKED_IDLE, Trigger.TURN_UNUSED}
+    assert (TenantState.IDLE, Trigger.PARKED_IDLE) in TRANSITIONS
+    assert (TenantState.HOLDER, Trigger.TURN_UNUSED) in TRANSITIONS
+    out = {t: target for (s, t), target in TRANSITIONS.items() if s is TenantState.PARKED}
+    assert out == {
+        Trigger.WOKEN: TenantState.WAITING,
+        Trigger.UNPARKED: TenantState.IDLE,
+        Trigger.FAULTED: TenantState.STUCK,
+    }
 
 
 def test_only_a_fault_makes_a_tenant_stuck_and_only_an_operator_or_its_gate_ends_it() -> None:

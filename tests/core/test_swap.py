@@ -46,6 +46,7 @@ class Card:
         tq: float = 30.0,
         in_rate: float = 6e9,
         out_rate: float = 2.5e9,
+        park: bool = True,
     ) -> None:
         self.rates = {"in": in_rate, "out": out_rate}
         self.fail: set[str] = set()
@@ -56,6 +57,7 @@ class Card:
             capacity_bytes=int(capacity_gib * GiB),
             reserve_bytes=1 * GiB,
             swap=swap,
+            park=park,
         )
         self.sched = Scheduler({"0": self.policy})
 
@@ -272,14 +274,14 @@ def test_an_idle_resident_tenant_is_gated_before_its_memory_goes_out() -> None:
         for name in ("a", "n"):
             if card.sched.tenant_state(name) is not S.WAITING:
                 out += card.do(ActivitySeen(name))
-    assert card.sched.tenant_state("b") is S.WAITING
+    assert card.sched.tenant_state("b") is S.PARKED  # idle when it left: no turn for it
     i = out.index(Gate("b"))
     assert out[i + 1] == SwapOut("b")
     assert out.index(SwapOut("b")) < out.index(Ungate("n"))
 
 
 def test_a_holder_whose_memory_is_moving_starts_its_quantum_when_let_go() -> None:
-    card = Card(SwapMode.CHECKPOINT)
+    card = Card(SwapMode.CHECKPOINT, park=False)  # a, idle when it leaves, waits its turn
     card.join("a", 40)
     card.join("b", 40)
     card.clock.advance(30)

@@ -45,6 +45,7 @@ def holding(k, ts) -> list[float]:
     return [ledgers[t.key]["holding_s"] for t in ts]
 
 
+@pytest.mark.serial
 def test_only_one_tenant_runs_and_the_order_is_round_robin(start_kiwid, tenants) -> None:
     k = start_kiwid(tq=1, idle_release=0.5, poll=0.05)
     ts = [tenants(name) for name in ("a", "b", "c")]
@@ -83,6 +84,7 @@ def test_only_one_tenant_runs_and_the_order_is_round_robin(start_kiwid, tenants)
     assert max(held) - min(held) <= 1.0 + 0.3, held
 
 
+@pytest.mark.serial
 def test_holder_that_exits_hands_over_at_once(start_kiwid, tenants) -> None:
     k, a, b = holder_and_waiter(start_kiwid, tenants, idle_release=5)
     a.proc.kill()

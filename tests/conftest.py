@@ -15,6 +15,10 @@
 Without ``--part`` every selected test runs (as a plain ``pytest`` always did);
 under xdist the ``serial`` ones then at least run on one worker, one at a time.
 
+A test's ``record_property("note", text)`` is printed in the summary at the end of
+the run (under xdist too, where a passing test's output is not): e.g. which cells
+of the fault matrix this run sampled, and how to run them again.
+
 ``cuda_library`` is the stand-in ``libcuda.so.1`` (``tests/stand_ins``), compiled
 once per session (once per xdist worker) rather than once per test.
 """
@@ -68,6 +72,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.xdist_group("serial"))
         # Every worker sorts the same collection the same way: xdist checks that.
         items.sort(key=_rank)
+
+
+_notes: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _notes.extend(f"{report.nodeid}: {v}" for k, v in report.user_properties if k == "note")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _notes:
+        terminalreporter.section("notes")
+        for note in _notes:
+            terminalreporter.line(note)
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 TESTS = os.environ.get("KIWI_IN_HOST_TESTS", "tests/adapters/test_cgroups.py tests/daemon").split()
 EXTRA_PACKAGES = tuple(os.environ.get("KIWI_IN_HOST_PACKAGES", "").split())
-# The test tools installed in the host: these three, or with KIWI_IN_HOST_DEV=1 all of
+# The test tools installed in the host: these four (pytest-xdist for its xdist_group
+# marker, which --strict-markers wants known), or with KIWI_IN_HOST_DEV=1 all of
 # kiwi-gpu's dev extra (what the whole suite uses), at the versions installed here.
 DEV_EXTRA = [
     re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
@@ -44,7 +45,9 @@ DEV_EXTRA = [
     if "extra ==" in requirement and "dev" in requirement
 ]
 TEST_TOOLS = tuple(
-    DEV_EXTRA if os.environ.get("KIWI_IN_HOST_DEV") else ("pytest", "pytest-timeout", "hypothesis")
+    DEV_EXTRA
+    if os.environ.get("KIWI_IN_HOST_DEV")
+    else ("pytest", "pytest-timeout", "pytest-xdist", "hypothesis")
 )
 CHECKOUT = "/root/kiwi"
 # pytest's last line: "63 passed, 12 skipped in 66.13s" (framed with = without -q).

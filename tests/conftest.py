@@ -15,6 +15,11 @@
 Without ``--part`` every selected test runs (as a plain ``pytest`` always did);
 under xdist the ``serial`` ones then at least run on one worker, one at a time.
 
+A test is marked ``cgroups`` here when it makes real cgroups through one of the
+fixtures in :data:`CGROUP_FIXTURES` (or is marked so by hand): these are the tests
+that depend on the cgroup hierarchy, which tests/deploy/test_pure_cgroup2.py runs
+on a pure-cgroup2 host.
+
 A test's ``record_property("note", text)`` is printed in the summary at the end of
 the run (under xdist too, where a passing test's output is not): e.g. which cells
 of the fault matrix this run sampled, and how to run them again.
@@ -32,6 +37,14 @@ import pytest
 from tests.stand_ins.cudadouble import NoCompiler, build_library
 
 PARTS = ("parallel", "serial")
+CGROUP_FIXTURES = frozenset(
+    {"tenants", "card", "sandbox", "layout", "cgroup", "freezer", "test_cgroup"}
+)
+"""Fixtures that make real cgroups (or find the hierarchies to make them in):
+tests/daemon/conftest.py's ``tenants`` and the driver double's ``card`` (its tenants
+in cgroups of their own), tests/adapters/conftest.py's ``sandbox`` and ``layout``,
+tests/adapters/test_sim.py's ``freezer``, tests/daemon/test_follow_memory.py's
+``cgroup`` and tests/daemon/test_containers_e2e.py's ``test_cgroup`` (containers')."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,6 +70,9 @@ def _rank(item: pytest.Item) -> int:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if CGROUP_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cgroups)
     part = config.getoption("part")
     if part is not None:
         keep, left_out = [], []

@@ -54,6 +54,7 @@ from _faults_rig import sweep_leftovers  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.cgroups,  # the tenants run in cgroups of their own, frozen by kiwid
     pytest.mark.xdist_group("fault-matrix"),
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: it makes and freezes cgroups"),
 ]

@@ -1,7 +1,8 @@
 """Shared fixtures for adapter tests: real cgroups and real child processes.
 
 ``double`` is a fresh card of the driver double (``tests/stand_ins/cudadouble.py``)
-on the stand-in libcuda, built once per session; it ends the tenants it started.
+on the stand-in libcuda, built once per session (``cuda_library``, in
+tests/conftest.py); it ends the tenants it started.
 
 ``sandbox`` gives each test a private top cgroup ``/kiwi-test-<random>`` in the
 cgroup2 hierarchy and in the v1 freezer hierarchy (where mounted), and spawns
@@ -25,12 +26,16 @@ from typing import Any
 
 import pytest
 
+import tests.conftest
 from kiwid.adapters.cgroups import CgroupLayout, CgroupRef
 from tests.adapters.socket_lab import Lab
 from tests.helpers import wait_for
 from tests.stand_ins import cudadir
-from tests.stand_ins.cudadouble import DriverDouble, NoCompiler, build_library
+from tests.stand_ins.cudadouble import DriverDouble
 
+# The session's stand-in libcuda (tests/conftest.py), also for the daemon tests that
+# import it from here.
+cuda_library = tests.conftest.cuda_library
 BUSY = [sys.executable, "-c", "while True: pass"]
 SLEEP = ["sleep", "300"]
 
@@ -127,15 +132,6 @@ def sandbox(layout: CgroupLayout) -> Iterator[Sandbox]:
         yield box
     finally:
         box.teardown()
-
-
-@pytest.fixture(scope="session")
-def cuda_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The stand-in libcuda.so.1, built once (skips without a C compiler)."""
-    try:
-        return build_library(tmp_path_factory.mktemp("cudadouble"))
-    except NoCompiler as err:
-        pytest.skip(str(err))
 
 
 @pytest.fixture

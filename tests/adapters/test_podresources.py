@@ -72,6 +72,7 @@ def test_no_kubelet_socket_is_an_error_at_once(kubelet_dir: Path) -> None:
     assert info.value.status == "NO_SOCKET"
 
 
+@pytest.mark.serial
 def test_a_kubelet_that_is_down_is_an_error_well_before_the_timeout(kubelet_dir: Path) -> None:
     stale = socket.socket(socket.AF_UNIX)  # the socket file of a kubelet that died
     stale.bind(str(kubelet_dir / "kubelet.sock"))
@@ -94,6 +95,7 @@ def test_a_kubelet_without_the_api_answers_unimplemented(kubelet_dir: Path) -> N
     assert info.value.status == "UNIMPLEMENTED"
 
 
+@pytest.mark.serial
 def test_a_kubelet_too_slow_to_answer_costs_the_timeout_only(kubelet_dir: Path) -> None:
     kubelet = FakePodResources(kubelet_dir / "kubelet.sock", hold=threading.Event())
     kubelet.start()

@@ -24,7 +24,7 @@ import pytest
 
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
 from tests.helpers import wait_for
-from tests.stand_ins.cudadouble import CudaTenant, DriverDouble, NoCompiler
+from tests.stand_ins.cudadouble import CudaTenant, DriverDouble
 
 REPO = Path(__file__).resolve().parents[2]
 KIWID = [sys.executable, "-m", "kiwid"]
@@ -361,18 +361,20 @@ class Card:
 
 
 @pytest.fixture
-def card(workdir: Path) -> Iterator[Card]:
-    """A 4 GiB card with 1.5 GiB taken by another job; swaps at 2 GB/s out, 4 in."""
-    try:
-        double = DriverDouble(
-            workdir / "cuda",
-            DOUBLE_CAPACITY,
-            foreign_bytes=DOUBLE_FOREIGN,
-            checkpoint_bytes_per_s=2 * 2**30,
-            restore_bytes_per_s=4 * 2**30,
-        )
-    except NoCompiler as err:
-        pytest.skip(str(err))
+def card(workdir: Path, cuda_library: Path) -> Iterator[Card]:
+    """A 4 GiB card with 1.5 GiB taken by another job; swaps at 2 GB/s out, 4 in.
+
+    On the stand-in libcuda built once per session (``cuda_library``, which skips
+    without a C compiler).
+    """
+    double = DriverDouble(
+        workdir / "cuda",
+        DOUBLE_CAPACITY,
+        foreign_bytes=DOUBLE_FOREIGN,
+        checkpoint_bytes_per_s=2 * 2**30,
+        restore_bytes_per_s=4 * 2**30,
+        library=cuda_library,
+    )
     parent = V2_ROOT / f"kiwi-test-{uuid.uuid4().hex[:8]}"
     parent.mkdir()
     try:

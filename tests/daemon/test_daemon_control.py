@@ -59,6 +59,7 @@ def test_scheduling_off_and_on(start_kiwid) -> None:
     assert status_json(k)["gpus"][0]["mode"] == "exclusive"
 
 
+@pytest.mark.serial
 def test_rename_of_the_config_file_reloads_within_two_seconds(start_kiwid, workdir: Path) -> None:
     k = start_kiwid()
     assert k.ctl("-T", "20").returncode == 0
@@ -70,12 +71,14 @@ def test_rename_of_the_config_file_reloads_within_two_seconds(start_kiwid, workd
     assert k.proc.poll() is None
 
 
+@pytest.mark.serial
 def test_in_place_edit_reloads_too(start_kiwid, workdir: Path) -> None:
     k = start_kiwid()
     k.config.write_text(config_text(workdir, tq=12))
     wait_for(lambda: k.status()["gpus"][0]["tq"] == 12.0, 2.0, "TQ 12 after an in-place write")
 
 
+@pytest.mark.serial
 def test_broken_config_is_refused_and_the_old_one_stays(start_kiwid, workdir: Path) -> None:
     k = start_kiwid()
     k.write_config(config_text(workdir, tq=-1))

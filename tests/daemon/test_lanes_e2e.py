@@ -174,6 +174,7 @@ def test_a_waiting_tenants_new_process_is_locked_during_its_own_checkpoint(
         card.double.clear(first, "checkpoint")
 
 
+@pytest.mark.serial
 def test_a_hung_checkpoint_does_not_idle_the_gpu(
     start_kiwid, workdir: Path, card: Card, sampled: Sampler
 ) -> None:

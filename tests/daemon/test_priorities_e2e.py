@@ -29,6 +29,7 @@ def holder(k: Kiwid) -> str | None:
     return h["tenant"] if h else None
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_weights_one_two_three_share_the_gpu_one_two_three(start_kiwid, tenants, workdir) -> None:
@@ -54,6 +55,7 @@ def test_weights_one_two_three_share_the_gpu_one_two_three(start_kiwid, tenants,
     assert on_gpu[ts[2].key]["share"]["received"] == pytest.approx(0.5, abs=0.03)
 
 
+@pytest.mark.serial
 def test_a_higher_priority_tenant_suspends_the_holder_at_once(
     start_kiwid, tenants, workdir
 ) -> None:

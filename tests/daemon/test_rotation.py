@@ -45,6 +45,7 @@ def holding(k, ts) -> list[float]:
     return [ledgers[t.key]["holding_s"] for t in ts]
 
 
+@pytest.mark.serial
 def test_only_one_tenant_runs_and_the_order_is_round_robin(start_kiwid, tenants) -> None:
     k = start_kiwid(tq=1, idle_release=0.5, poll=0.05)
     ts = [tenants(name) for name in ("a", "b", "c")]
@@ -83,6 +84,7 @@ def test_only_one_tenant_runs_and_the_order_is_round_robin(start_kiwid, tenants)
     assert max(held) - min(held) <= 1.0 + 0.3, held
 
 
+@pytest.mark.serial
 def test_holder_that_exits_hands_over_at_once(start_kiwid, tenants) -> None:
     k, a, b = holder_and_waiter(start_kiwid, tenants, idle_release=5)
     a.proc.kill()
@@ -132,6 +134,7 @@ def test_a_tenant_in_a_v1_freezer_cgroup_only_is_frozen_there(start_kiwid, tenan
     wait_for(lambda: state.read_text().strip() == "THAWED", 5, "b thawed when a exits")
 
 
+@pytest.mark.cgroups  # the freezer found in this host's hierarchy
 def test_gate_choice_is_logged_and_falls_back_to_the_freezer(start_kiwid) -> None:
     k = start_kiwid()
     k.wait_log("CUDA process lock unavailable")
@@ -139,6 +142,7 @@ def test_gate_choice_is_logged_and_falls_back_to_the_freezer(start_kiwid) -> Non
     assert k.status()["gate"] == "freeze"
 
 
+@pytest.mark.cgroups  # kiwid's own cgroups, no fixture's
 def test_bare_processes_are_isolated_frozen_alone_and_cleaned_up(start_kiwid, workdir) -> None:
     k = start_kiwid(tq=30, poll=0.05)
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.daemon.conftest import KIWID, V2_ROOT, Kiwid, wait_for
 
 GiB = 2**30
@@ -146,6 +148,7 @@ def test_three_tenants_larger_than_the_card_rotate_through_host_ram(
     assert all(ledgers[t.key]["swapped_out_bytes"] >= TENANT for t in ts)
 
 
+@pytest.mark.serial
 def test_status_answers_during_a_long_swap_and_shows_it(start_kiwid, tenants, workdir) -> None:
     # 4 GiB out at 1 GB/s: a swap of about 4.3 s.
     k, _a, b = a_holds_b_waits(start_kiwid, tenants, workdir, swapped_out=False, tq=30, out=1)

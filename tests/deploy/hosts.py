@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -337,12 +337,12 @@ class Fleet:
         self.tag = secrets.token_hex(3)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"kiwi-deploy-{self.tag}-"))
         self.bridge = f"kiwibr-{self.tag}"
-        self.net = _free_subnet()
-        self.gateway = str(self.net.network_address + 1)
         self.key = self.workdir / "id_ed25519"
+        # The bridge's /24 and so the addresses are chosen in start().
+        self.net: ipaddress.IPv4Network
+        self.gateway: str
         self.hosts = [
-            Host(f"kt{self.tag}-{i}", str(self.net.network_address + 10 + i), layout)
-            for i, layout in enumerate(layouts, start=1)
+            Host(f"kt{self.tag}-{i}", "", layout) for i, layout in enumerate(layouts, start=1)
         ]
         self._bridge_made = False
 
@@ -353,12 +353,19 @@ class Fleet:
         subprocess.run(
             ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key)], check=True
         )
-        subprocess.run(["ip", "link", "add", self.bridge, "type", "bridge"], check=True)
-        self._bridge_made = True
-        subprocess.run(
-            ["ip", "addr", "add", f"{self.gateway}/{self.net.prefixlen}", "dev", self.bridge],
-            check=True,
-        )
+        # Another fleet may be starting beside this one (pytest-xdist): choosing a free
+        # /24 and taking it with the bridge's address is one step for each, in turn.
+        with _machine_lock("subnet"):
+            self.net = _free_subnet()
+            subprocess.run(["ip", "link", "add", self.bridge, "type", "bridge"], check=True)
+            self._bridge_made = True
+            self.gateway = str(self.net.network_address + 1)
+            subprocess.run(
+                ["ip", "addr", "add", f"{self.gateway}/{self.net.prefixlen}", "dev", self.bridge],
+                check=True,
+            )
+        for i, host in enumerate(self.hosts, start=1):
+            host.address = str(self.net.network_address + 10 + i)
         subprocess.run(["ip", "link", "set", self.bridge, "up"], check=True)
         for host in self.hosts:
             self._boot(host)
@@ -474,6 +481,14 @@ def _stop(host: Host, timeout: float = 30) -> None:
     except subprocess.TimeoutExpired:
         host.proc.kill()  # our own systemd-nspawn, by its PID
         host.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def _machine_lock(name: str) -> Iterator[None]:
+    """An exclusive lock on this machine, held by one process (of any test run) at a time."""
+    with open(f"/run/kiwi-test-hosts-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _uuid() -> str:

@@ -1,18 +1,32 @@
-"""The suite on a pure-cgroup2 Debian 12 host, from a checkout under /root.
+"""The tests that depend on the cgroup hierarchy, on a pure-cgroup2 Debian 12 host, from /root.
 
 Boots one host with the unified hierarchy only (SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=1,
 as current distributions and Kiwi's GPU machines run), copies the checkout to
 ``/root/kiwi`` inside it (``/root`` is mode 0700 there, as on any Debian), installs
 kiwi-gpu and the test tools into ``/root/kiwi/.venv`` from a wheelhouse built here
-(the host has no network), and runs the cgroup adapter tests and the real-kiwid
-daemon tests there, as a transient systemd service (like a CI job on a real
+(the host has no network), and runs the tests of tests/adapters and tests/daemon
+marked ``cgroups`` there, as a transient systemd service (like a CI job on a real
 systemd machine). They must pass, the v1-freezer tests skipping with their reason.
 
+Which tests, and why those: the ones that make real cgroups, freeze them or read
+them, where a pure-cgroup2 host differs from this machine (tests/conftest.py marks
+them ``cgroups``: the cgroup adapter's own tests, the daemon's tests with tenants
+in real cgroups that a real kiwid freezes and thaws, its rotation, its isolation of
+bare processes, the freezer fence, the sampled fault matrix on the sim). The rest
+of the suite is the same on either layout: the scheduling core, configuration,
+the control protocol, the CLI's output, the daemon's parts driven by scripted
+gates, the docs. The ``serial`` tests are left out too: they measure time (shares
+of the GPU, latencies), and this host shares the machine's CPUs with the other
+tests of the parallel run; their cgroup operations are the ones the rotation tests
+here run. Tests that need a C compiler (the driver double), runc or podman skip
+in the host unless ``KIWI_IN_HOST_PACKAGES`` adds them.
+
 ``KIWI_IN_HOST_TESTS`` names other test paths to run instead (``tests`` for the
-whole suite), ``KIWI_IN_HOST_DEV=1`` installs all of the dev extra's tools, and
-``KIWI_IN_HOST_PACKAGES`` Debian packages to add to the host (the whole suite wants
-tmux, runc, podman, busybox-static, gcc, libc6-dev, procps and prometheus); the host's root
-file system is then built and cached for that list.
+whole suite), ``KIWI_IN_HOST_MARKERS`` another ``-m`` expression (empty: every
+test of those paths), ``KIWI_IN_HOST_DEV=1`` installs all of the dev extra's tools,
+and ``KIWI_IN_HOST_PACKAGES`` Debian packages to add to the host (the whole suite
+wants tmux, runc, podman, busybox-static, gcc, libc6-dev, procps and prometheus);
+the host's root file system is then built and cached for that list.
 """
 
 from __future__ import annotations
@@ -34,9 +48,11 @@ from tests.deploy.playbook import REPO, build_wheels, source_copy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-TESTS = os.environ.get("KIWI_IN_HOST_TESTS", "tests/adapters/test_cgroups.py tests/daemon").split()
+TESTS = os.environ.get("KIWI_IN_HOST_TESTS", "tests/adapters tests/daemon").split()
+MARKERS = os.environ.get("KIWI_IN_HOST_MARKERS", "cgroups and not serial")
 EXTRA_PACKAGES = tuple(os.environ.get("KIWI_IN_HOST_PACKAGES", "").split())
-# The test tools installed in the host: these three, or with KIWI_IN_HOST_DEV=1 all of
+# The test tools installed in the host: these four (pytest-xdist for its xdist_group
+# marker, which --strict-markers wants known), or with KIWI_IN_HOST_DEV=1 all of
 # kiwi-gpu's dev extra (what the whole suite uses), at the versions installed here.
 DEV_EXTRA = [
     re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
@@ -44,7 +60,9 @@ DEV_EXTRA = [
     if "extra ==" in requirement and "dev" in requirement
 ]
 TEST_TOOLS = tuple(
-    DEV_EXTRA if os.environ.get("KIWI_IN_HOST_DEV") else ("pytest", "pytest-timeout", "hypothesis")
+    DEV_EXTRA
+    if os.environ.get("KIWI_IN_HOST_DEV")
+    else ("pytest", "pytest-timeout", "pytest-xdist", "hypothesis")
 )
 CHECKOUT = "/root/kiwi"
 # pytest's last line: "63 passed, 12 skipped in 66.13s" (framed with = without -q).
@@ -137,16 +155,18 @@ def test_cgroup_and_daemon_tests_pass_on_a_pure_cgroup2_host_from_root(host: hos
         "-q",
         "-p",
         "no:cacheprovider",
+        *(("-m", MARKERS) if MARKERS else ()),
         *TESTS,
         check=False,
         timeout=1500,
     )
     output = run.stdout + run.stderr
     summary = SUMMARY.search(output)
-    _say(f"inside the pure-cgroup2 host ({' '.join(TESTS)}): {summary and summary['counts']}")
+    what = " ".join(TESTS) + (f" -m '{MARKERS}'" if MARKERS else "")
+    _say(f"inside the pure-cgroup2 host ({what}): {summary and summary['counts']}")
     assert run.returncode == 0, output[-60000:]
     assert summary is not None and "failed" not in summary["counts"], output[-5000:]
-    if "tests/adapters/test_cgroups.py" in TESTS:
+    if any("tests/adapters/test_cgroups.py".startswith(path.rstrip("/")) for path in TESTS):
         assert "needs a mounted cgroup v1 freezer hierarchy" in output, output[-5000:]
     # Nothing stranded: no test cgroup left behind, frozen or not.
     left = host.sh("ls -d /sys/fs/cgroup/kiwi-test-* 2>/dev/null; true").strip()

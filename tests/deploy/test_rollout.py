@@ -50,7 +50,8 @@ from tests.deploy.playbook import (
     source_copy,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# One xdist worker runs them all, in file order: they share the module's fleet.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("rollout")]
 
 KIWICTL = "/opt/kiwi/bin/kiwictl"
 LINKS = {name: f"/usr/local/bin/{name}" for name in ("kiwictl", "kiwid")}

@@ -17,7 +17,9 @@ def _stock_open_files_after(limit: str) -> str:
     text = SCRIPT.read_text()
     match = re.search(r"^stock_open_files\(\) \{\n.*?^\}\n", text, re.MULTILINE | re.DOTALL)
     assert match is not None, "scripts/test has no stock_open_files()"
-    before_pytest = text[match.end() :].split("exec pytest", 1)[0]
+    # Up to its first pytest run (it runs pytest twice: in parallel, then serially).
+    before_pytest = re.split(r"^pytest ", text[match.end() :], maxsplit=1, flags=re.MULTILINE)[0]
+    assert before_pytest != text[match.end() :], "scripts/test runs no pytest"
     assert re.search(r"^stock_open_files$", before_pytest, re.MULTILINE), (
         "scripts/test does not call stock_open_files() before pytest"
     )

@@ -441,6 +441,7 @@ def test_hold_is_the_default_admission(tmp_path: Path, fake_kiwid: FakeKiwid) ->
     assert fake_kiwid.requests[0]["args"]["hold"] is True
 
 
+@pytest.mark.serial
 def test_with_kiwid_down_the_container_starts_ungated_with_a_warning(tmp_path: Path) -> None:
     state = {"id": CID, "pid": 1, "bundle": str(make_bundle(tmp_path))}
 
@@ -453,6 +454,7 @@ def test_with_kiwid_down_the_container_starts_ungated_with_a_warning(tmp_path: P
         assert elapsed < 5
 
 
+@pytest.mark.serial
 def test_a_hung_kiwid_costs_at_most_the_timeout(tmp_path: Path, fake_kiwid: FakeKiwid) -> None:
     fake_kiwid.serve(answer=False)  # accepts into the backlog, never answers
     state = {"id": CID, "pid": 1, "bundle": str(make_bundle(tmp_path))}
@@ -466,6 +468,7 @@ def test_a_hung_kiwid_costs_at_most_the_timeout(tmp_path: Path, fake_kiwid: Fake
     assert 1 <= elapsed < 4  # the limit, plus Python's start-up
 
 
+@pytest.mark.serial
 def test_a_stdin_that_never_ends_costs_at_most_the_timeout(tmp_path: Path) -> None:
     start = time.monotonic()
     proc = subprocess.Popen(

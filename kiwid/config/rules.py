@@ -21,6 +21,7 @@ from kiwid.config.schema import (
     LOG_LEVELS,
     MODES,
     NEWCOMERS,
+    PARKS,
     SWAPS,
     ServiceLimits,
 )
@@ -43,7 +44,7 @@ class Rule:
     """How one TOML value is checked, and which dataclass field it fills."""
 
     attr: str
-    kind: type[int] | type[float] | type[str] | type[list[Any]] | tuple[type, ...]
+    kind: type[bool] | type[int] | type[float] | type[str] | type[list[Any]] | tuple[type, ...]
     """Its TOML type (float accepts ints too); a tuple: any of them."""
     expects: str  # completes "must be ..."
     accepts: Callable[[Any], bool]
@@ -149,6 +150,7 @@ DAEMON_RULES = {
 MEMORY_RULES = {
     "reserve_mib": _within("reserve_mib", int, "MiB", 0),
     "swap": _choice("swap", SWAPS),
+    "park": _choice("park", PARKS),
     "host_floor_mib": _within("host_floor_mib", int, "MiB", 0),
     "checkpoint_lanes": _within("checkpoint_lanes", int, "concurrent checkpoints", 1, 8),
     "newcomer": _choice("newcomer", NEWCOMERS),
@@ -243,6 +245,7 @@ TENANT_RULES = {
     "priority": _priority("priority"),
     "tq": _above_zero("tq", "seconds"),
     "swap": _choice("swap", TENANT_SWAPS),
+    "park": Rule("park", bool, "true or false", lambda v: True),
     "max_weight": _weight("max_weight"),
     "max_priority": _priority("max_priority"),
     "memory": _memory("memory"),
@@ -278,6 +281,8 @@ def has_kind(value: object, kind: type | tuple[type, ...]) -> bool:
     """
     if isinstance(kind, tuple):
         return any(has_kind(value, one) for one in kind)
+    if kind is bool:
+        return isinstance(value, bool)
     if isinstance(value, int) and value not in _INT64:
         return False
     wanted = (int, float) if kind is float else kind

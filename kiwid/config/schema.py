@@ -26,6 +26,9 @@ GATES = ("auto", "freeze", "cuda-lock")
 SWAPS = ("none", "checkpoint", "auto")
 """Memory swapping, see :attr:`MemorySettings.swap`."""
 
+PARKS = ("idle", "off")
+"""Parking idle tenants, see :attr:`MemorySettings.park`."""
+
 NEWCOMERS = ("whole-card", "free")
 """What a newcomer gets, see :attr:`MemorySettings.newcomer`."""
 
@@ -281,6 +284,14 @@ class MemorySettings:
     next tenant would not fit beside it. Swapping needs the CUDA lock gate
     (``gpu.gate = "cuda-lock"``, or ``"auto"`` on driver r550+); without it kiwid
     says so at start and swaps nothing. Default ``"none"``."""
+
+    park: str = "idle"
+    """What happens to an idle tenant whose memory went to host RAM: ``"idle"`` it
+    parks (gated, out of the queue, its memory left in host RAM) until a request waits
+    on one of its sockets or ``kiwictl wake`` wakes it; it parks too after a turn in
+    which it did no GPU work. ``"off"`` it is queued again like any waiter, restored
+    at its turn whether it has work or not. Only where memory moves (``swap`` is not
+    ``"none"``). Default ``"idle"``."""
 
     host_floor_mib: int = 4096
     """MiB of available host RAM that a swap-out must leave: one that would go below

@@ -48,6 +48,9 @@ class TenantRule:
     """Its own TQ in seconds (``None``: the GPU's)."""
     swap: str | None = None
     """``"allow"`` (as ``memory.swap`` says) or ``"never"`` (its memory stays on the card)."""
+    park: bool | None = None
+    """``false``: its tenants never park, they take their turns in the rotation even
+    when idle (``None``: as ``memory.park`` says, or the pod's ``kiwi.io/park``)."""
     max_weight: float | None = None
     """The most a pod's ``kiwi.io/weight`` annotation may ask (``None``: the rule's weight)."""
     max_priority: int | None = None

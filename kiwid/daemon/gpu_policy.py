@@ -60,6 +60,7 @@ def effective(
         preempt_after_s=settings.scheduler.preempt_after,
         max_wait_s=settings.scheduler.max_wait or None,
         newcomer=Newcomer(settings.memory.newcomer),
+        park=settings.memory.park == "idle",
         link_bytes_per_s=_link(settings),
     )
 

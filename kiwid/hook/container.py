@@ -31,6 +31,8 @@ WEIGHT_ANNOTATION = "kiwi.io/weight"
 PRIORITY_ANNOTATION = "kiwi.io/priority"
 # The GPU memory per GPU it declares it needs: unlike a weight, a wrong one fails its start.
 MEMORY_ANNOTATION = "kiwi.io/gpu-memory"
+# "false": the container never parks when idle (it takes its turns); the rule may say so too.
+PARK_ANNOTATION = "kiwi.io/park"
 _NUMBER = re.compile(r"\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 _INTEGER = re.compile(r"[-+]?[0-9]+")
 # A priority with more digits reads as infinite, as a weight too large for a float
@@ -67,6 +69,7 @@ class ContainerInfo:
         priority: The priority its ``kiwi.io/priority`` annotation asks for, if any.
         problems: What was wrong with those annotations, for the hook to warn about.
         memory: The GPU memory per GPU (bytes) its ``kiwi.io/gpu-memory`` declares.
+        park: What its ``kiwi.io/park`` annotation says (``False``: never park).
         refusal: Why it must not start (a ``kiwi.io/gpu-memory`` that is no memory
             size): running it ungated would let it take memory kiwid never counts.
     """
@@ -85,6 +88,7 @@ class ContainerInfo:
     problems: tuple[str, ...] = ()
     memory: int | None = None
     refusal: str | None = None
+    park: bool | None = None
 
     def register_args(self, hold: bool) -> dict[str, Any]:
         """The ``register`` command's arguments (docs/control-protocol.md).
@@ -115,6 +119,8 @@ class ContainerInfo:
             args["weight"] = self.weight
         if self.priority is not None:
             args["priority"] = self.priority
+        if self.park is not None:
+            args["park"] = self.park
         if self.memory is not None:
             args["memory_bytes"] = self.memory
             args["memory_source"] = "annotation"
@@ -149,6 +155,7 @@ def container_info(state: Mapping[str, Any], proc: Path = _PROC) -> ContainerInf
     weight, weight_problem = _weight(annotations.get(WEIGHT_ANNOTATION))
     priority, priority_problem = _priority(annotations.get(PRIORITY_ANNOTATION))
     memory, refusal = _memory(annotations.get(MEMORY_ANNOTATION))
+    park, park_problem = _park(annotations.get(PARK_ANNOTATION))
     return ContainerInfo(
         id=state["id"],
         pid=pid,
@@ -162,10 +169,26 @@ def container_info(state: Mapping[str, Any], proc: Path = _PROC) -> ContainerInf
         or _device_ids(_env(config).get(DEVICE_IDS_ENV)),
         weight=weight,
         priority=priority,
-        problems=tuple(p for p in (weight_problem, priority_problem) if p),
+        problems=tuple(p for p in (weight_problem, priority_problem, park_problem) if p),
         memory=memory,
         refusal=refusal,
+        park=park,
     )
+
+
+def _park(value: str | None) -> tuple[bool | None, str | None]:
+    """What a ``kiwi.io/park`` annotation says, and what was wrong with it.
+
+    Returns:
+        ``(None, None)`` without it; ``(None, why)`` for one that is neither ``"true"``
+        nor ``"false"`` (parking then goes as the rules say); else ``(bool, None)``.
+    """
+    if value is None:
+        return None, None
+    text = value.strip().lower()
+    if text in ("true", "false"):
+        return text == "true", None
+    return None, f'ignoring {PARK_ANNOTATION}={_shown(value)}: not "true" or "false"'
 
 
 def _memory(value: str | None) -> tuple[int | None, str | None]:

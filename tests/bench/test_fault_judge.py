@@ -128,7 +128,9 @@ def test_cells_are_chosen_by_pattern_and_a_pattern_that_matches_none_is_refused(
     # every operation x every kind, the two faults of their own, a retry and a release
     # during each operation's hang, and the three escapes of issue 25
     assert len(cells) == 5 * 6 + 2 + 5 * 2 + 3
-    assert {("checkpoint", "newproc"), ("lock", "newproc"), ("admission", "late-context")} <= set(cells)
+    assert {("checkpoint", "newproc"), ("lock", "newproc"), ("admission", "late-context")} <= set(
+        cells
+    )
     assert driver_faults.select(cells, "restore/*,lock/stuck") == [
         *(c for c in cells if c[0] == "restore"),
         ("lock", "stuck"),

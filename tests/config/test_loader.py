@@ -49,6 +49,7 @@ KEYS: dict[tuple[str, str], tuple[str, str, str, Any]] = {
     ("daemon", "log_level"): ("daemon", "log_level", '"debug"', "debug"),
     ("memory", "reserve_mib"): ("memory", "reserve_mib", "0", 0),
     ("memory", "swap"): ("memory", "swap", '"checkpoint"', "checkpoint"),
+    ("memory", "park"): ("memory", "park", '"off"', "off"),
     ("memory", "host_floor_mib"): ("memory", "host_floor_mib", "0", 0),
     ("memory", "checkpoint_lanes"): ("memory", "checkpoint_lanes", "2", 2),
     ("memory", "newcomer"): ("memory", "newcomer", '"free"', "free"),
@@ -725,6 +726,9 @@ max_weight = 2.5
         ('[[tenants]]\nmatch = { pods = "x" }\n', "unknown key tenants[0].match.pods"),
         ('[[tenants]]\nmatch = { pod = "" }\n', "tenants[0].match.pod"),
         ('[[tenants]]\nmatch = {}\nswap = "sometimes"\n', "tenants[0].swap"),
+        ('[[tenants]]\nmatch = {}\npark = "false"\n', 'tenants[0].park = "false": must be'),
+        ("[[tenants]]\nmatch = {}\npark = 0\n", "tenants[0].park = 0: must be"),
+        ('[memory]\npark = "always"\n', 'memory.park = "always": must be one of "idle", "off"'),
         ("[[tenants]]\nmatch = {}\npriority = 1.5\n", "tenants[0].priority = 1.5"),
         ("[[tenant]]\nmatch = {}\n", f"unknown key tenant (known keys: {KNOWN_TABLES})"),
     ],
@@ -772,3 +776,9 @@ def test_unknown_tables_inside_known_ones_too() -> None:
         f"{SRC}: unknown key scheduler.tenants "
         "(known keys: tq, idle_release, mode, handover_allowance, preempt_after, max_wait, gpu)"
     ]
+
+
+def test_a_rules_park_is_a_boolean() -> None:
+    text = "[[tenants]]\nmatch = {}\npark = false\n[[tenants]]\nmatch = {}\n"
+    rules = parse_config(text).settings.tenants
+    assert (rules[0].park, rules[1].park) == (False, None)

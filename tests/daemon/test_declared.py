@@ -72,3 +72,18 @@ def test_a_tenant_past_its_declaration_is_told_once_and_forgotten_when_it_leaves
     assert book.overruns({}) == []  # it left
     book.events(tenants)
     assert len(book.overruns(tenants)) == 1  # a new run of it is told again
+
+
+def test_parking_comes_from_the_file_then_the_pod_and_a_rules_false_wins() -> None:
+    def parks(ident: Identity, rules: tuple[TenantRule, ...]) -> tuple[bool, str]:
+        resolved = resolve(rules, ident)
+        return resolved.policy.park, resolved.sources["park"]
+
+    pod = Identity(POD.key, POD.kind, POD.name, pod=POD.pod, namespace="ml")
+    never = (TenantRule(TenantMatch(namespace="ml"), park=False),)
+    assert parks(pod, ()) == (True, "default")  # memory.park says for the GPU
+    assert parks(pod, never) == (False, "rule 0")
+    asks_not = Identity(POD.key, POD.kind, POD.name, pod=POD.pod, requested_park=False)
+    assert parks(asks_not, ()) == (False, "annotation")
+    asks_to = Identity(POD.key, POD.kind, POD.name, namespace="ml", requested_park=True)
+    assert parks(asks_to, never) == (False, "rule 0")  # a pod cannot park against its rule

@@ -89,7 +89,12 @@ def test_defaults_render_a_valid_file_with_state_under_the_runtime_directory(
     doc = tomllib.loads(text)
     assert doc["daemon"]["state_dir"] == "/run/kiwi/state"
     assert doc["control"]["socket"] == "/run/kiwi/kiwid.sock"
-    assert doc["memory"] == {"reserve_mib": 1024, "swap": "none", "host_floor_mib": 4096}
+    assert doc["memory"] == {
+        "reserve_mib": 1024,
+        "swap": "none",
+        "park": "idle",
+        "host_floor_mib": 4096,
+    }
     assert "kubernetes" not in doc
     assert '#   daemon.state_dir = "/run/kiwi/state"' in dropin
 
@@ -112,7 +117,12 @@ def test_extra_config_deep_merges_into_the_roles_tables(tmp_path: Path) -> None:
     headers = [line for line in text.splitlines() if line.startswith("[")]
     assert len(headers) == len(set(headers)), headers  # never a table twice
     doc = tomllib.loads(text)
-    assert doc["memory"] == {"reserve_mib": 3072, "swap": "checkpoint", "host_floor_mib": 2048}
+    assert doc["memory"] == {
+        "reserve_mib": 3072,
+        "swap": "checkpoint",
+        "park": "idle",
+        "host_floor_mib": 2048,
+    }
     assert doc["gpu"]["sim"] == {"devices": 1, "memory_gib": 80.0, "swap_in_gbps": 9.0}
     assert doc["scheduler"]["gpu"] == {"0": {"tq": 10.0}, "GPU-8f6a": {"mode": "auto"}}
     assert doc["scheduler"]["tq"] == 30.0

@@ -275,7 +275,7 @@ def test_podman_names_come_from_its_container_store(tmp_path: Path) -> None:
 
 
 def policy_info(tmp_path: Path, **annotations: str) -> ContainerInfo:
-    keys = {"weight": "kiwi.io/weight", "priority": "kiwi.io/priority"}
+    keys = {"weight": "kiwi.io/weight", "priority": "kiwi.io/priority", "park": "kiwi.io/park"}
     state = {
         "id": CID,
         "bundle": str(make_bundle(tmp_path, cgroups_path="/k/c")),
@@ -545,3 +545,14 @@ def test_usage(tmp_path: Path, fake_kiwid: FakeKiwid) -> None:
     assert "--future" in out.stderr
     assert "out of range" in out.stderr
     assert len(fake_kiwid.requests) == 1
+
+
+def test_the_pods_park_annotation_goes_into_register_and_a_wrong_one_is_named(
+    tmp_path: Path,
+) -> None:
+    assert policy_info(tmp_path, park="false").register_args(hold=False)["park"] is False
+    assert policy_info(tmp_path, park=" True ").register_args(hold=False)["park"] is True
+    assert "park" not in policy_info(tmp_path).register_args(hold=False)
+    wrong = policy_info(tmp_path, park="no")
+    assert wrong.park is None and "park" not in wrong.register_args(hold=False)
+    assert wrong.problems == ('ignoring kiwi.io/park=\'no\': not "true" or "false"',)

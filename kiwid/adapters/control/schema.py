@@ -162,6 +162,8 @@ COMMANDS: Mapping[str, CommandSpec] = MappingProxyType(
                 device_ids=Arg(Kind.STRINGS, required=False),
                 weight=Arg(Kind.NUMBER, required=False, nullable=True),
                 priority=Arg(Kind.INTEGER, required=False, nullable=True),
+                # Its pod's kiwi.io/park: false keeps it in the rotation when idle.
+                park=Arg(Kind.BOOLEAN, required=False, nullable=True),
                 # GPU memory per GPU it declares (bytes): its pod's kiwi.io/gpu-memory
                 # ("annotation", from kiwi-hook) or its own ("register", the default).
                 memory_bytes=Arg(Kind.INTEGER, required=False, nullable=True),

@@ -108,6 +108,7 @@ class Admission:
                 priority=priority,
                 memory=memory,
                 memory_source=memory_source or "register",
+                park=args.get("park"),
             )
         except ValueError as err:
             raise ControlError("invalid-value", f"container {cid}: {err}") from None

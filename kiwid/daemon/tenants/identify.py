@@ -68,6 +68,7 @@ def identity_of_container(
     priority: int | None = None,
     memory: int | None = None,
     memory_source: str | None = None,
+    park: bool | None = None,
 ) -> Identity:
     """The identity of a container that kiwi-hook announced.
 
@@ -125,5 +126,6 @@ def identity_of_container(
         requested_priority=priority,
         requested_memory=memory,
         memory_source=memory_source if memory is not None else None,
+        requested_park=park,
         identity_source="annotations" if pod else None,
     )

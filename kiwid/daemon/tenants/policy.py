@@ -12,7 +12,10 @@ Precedence, documented in docs/scheduling.md:
    without ``memory`` nor ``max_memory`` bounds no declaration);
 3. the first ``[[tenants]]`` rule that matches the tenant;
 4. the defaults: weight 1, priority 0, the GPU's TQ, swap as ``memory.swap`` says,
-   no declared memory.
+   parking as ``memory.park`` says, no declared memory.
+
+Parking: a rule's ``park = false`` keeps its tenants in the rotation whatever their
+pods say; without it, a pod's ``kiwi.io/park`` annotation decides for its container.
 
 :class:`PolicyBook` owns what was resolved and sent to the scheduler; it resolves
 a tenant again only when its identity, the rules or the runtime values changed.
@@ -41,7 +44,7 @@ class Resolved:
     rule: int | None
     """The index of the rule that matched (``None``: none did)."""
     sources: Mapping[str, str]
-    """Per field (weight, priority, tq, swap): ``runtime``, ``annotation``,
+    """Per field (weight, priority, tq, swap, park): ``runtime``, ``annotation``,
     ``rule N`` or ``default``."""
     capped: tuple[str, ...] = ()
     """Annotations that asked for more than the rule allows, and were capped."""
@@ -56,6 +59,7 @@ class Resolved:
             "priority": self.policy.priority,
             "tq": self.policy.tq_s,
             "swap": self.policy.swap.value,
+            "park": self.policy.park,
             "rule": self.rule,
             "sources": dict(self.sources),
             "capped": list(self.capped),
@@ -103,6 +107,7 @@ def resolve(
         "priority": where if rule.priority is not None else "default",
         "tq": where if rule.tq is not None else "default",
         "swap": where if rule.swap is not None else "default",
+        "park": where if rule.park is not None else "default",
     }
     weight = rule.weight if rule.weight is not None else DEFAULT.weight
     priority = rule.priority if rule.priority is not None else DEFAULT.priority
@@ -121,6 +126,10 @@ def resolve(
         capped += ["memory"] if cap_m is not None and ident.requested_memory > cap_m else []
         memory = ident.requested_memory if cap_m is None else min(ident.requested_memory, cap_m)
         declared_source = ident.memory_source or "register"
+    # A rule's park = false wins; else the pod's kiwi.io/park, else memory.park's word.
+    park = rule.park if rule.park is not None else DEFAULT.park
+    if rule.park is not False and ident.requested_park is not None:
+        park, sources["park"] = ident.requested_park, "annotation"
     runtime = runtime or {}
     if "weight" in runtime:
         weight, sources["weight"] = float(runtime["weight"]), "runtime"
@@ -132,6 +141,7 @@ def resolve(
         tq_s=rule.tq,
         swap=TenantSwap(rule.swap) if rule.swap is not None else TenantSwap.ALLOW,
         memory_bytes=memory,
+        park=park,
     )
     return Resolved(policy, index, sources, tuple(capped), declared_source)
 

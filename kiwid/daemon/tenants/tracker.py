@@ -42,6 +42,8 @@ class Identity:
     requested_memory: int | None = None
     """The GPU memory per GPU (bytes) it declared at ``register``: its pod's
     ``kiwi.io/gpu-memory`` annotation, or a client's own ``memory_bytes``."""
+    requested_park: bool | None = None
+    """What its pod's ``kiwi.io/park`` annotation says (``None``: nothing)."""
     memory_source: str | None = None
     """Where ``requested_memory`` came from: ``annotation`` or ``register``."""
     identity_source: str | None = None

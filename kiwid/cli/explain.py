@@ -19,6 +19,7 @@ from kiwid.cli.fault_text import blocked_sentence, released_sentence, stuck_sent
 from kiwid.cli.handover_text import handover_sentence
 from kiwid.cli.lookup import AmbiguousTenant, TenantNotFound, collect_tenants, find_tenant
 from kiwid.cli.memory_text import declared_sentence, remembered_sentence
+from kiwid.cli.parking_text import parked_sentence, wake_sentence
 from kiwid.cli.policy_text import policy_sentence, preemption_sentence, rank_label
 from kiwid.cli.words import format_bytes, format_duration, plural, tenant_label
 
@@ -43,7 +44,8 @@ _TENANT_KEYS = (
     *("id", "name", "kind", "container_id", "pod", "namespace", "state", "pids"),
     *("policy", "quantum_s", "share", "boosted", "last_preemption", "waiting_for"),
     *("swap_refusal", "workload", "remembered_bytes", "stuck_reason", "released"),
-    *("declared_bytes", "declared_source", "peak_bytes"),
+    *("declared_bytes", "declared_source", "peak_bytes", "footprint_bytes"),
+    *("parked_since", "wakes_on", "last_wake", "park_refusal"),
 )
 
 
@@ -299,6 +301,8 @@ def explain_text(facts: Json) -> str:
                 parts.append(_corunning(who, f, facts["scheduling"]))
             elif state == "idle":
                 parts.append(_idle(who, f))
+            elif state == "parked":
+                parts.append(parked_sentence(t, who))
             elif state not in ("stuck", "released"):
                 parts.append(f"{who} is {str(state).upper()} on GPU {f['gpu']}.")
             if f.get("blocked_by") not in (None, t["id"]) and state in ("waiting", "holder"):
@@ -318,6 +322,7 @@ def explain_text(facts: Json) -> str:
         if t.get("swap_refusal"):
             parts.append(f"Its memory stays on the card: {t['swap_refusal']}.")
         parts += [p for p in (declared_sentence(t), remembered_sentence(t)) if p]
+        parts += [p for p in (wake_sentence(t),) if p]
         tq = facts["gpus"][0]["tq"] if facts["gpus"] else None
         parts += [p for p in (policy_sentence(t, tq), preemption_sentence(t)) if p]
     ledger = ledger_text(facts.get("ledger"), facts.get("uptime_s"))

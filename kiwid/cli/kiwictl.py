@@ -48,15 +48,20 @@ examples:
                               try again; it then waits for its turn
   kiwictl release 4f2a        or let it run ungated, outside the rotation, on your
                               word (until it leaves, or you retry it)
+  kiwictl wake notebook-7     a PARKED tenant (idle, its memory in host RAM) joins
+                              the queue now, before its next request arrives
 
 A tenant is stuck when an operation on it failed for good, ran past
 gpu.driver_timeout, or left the driver out of step: it stays gated and holds
-nothing while the others rotate (kiwictl status and explain say why).
+nothing while the others rotate (kiwictl status and explain say why). A tenant
+is parked when it was idle as its memory went to host RAM, or did no GPU work in
+a turn: it holds no turns until a request waits on one of its sockets or
+kiwictl wake wakes it.
 
 Changing the scheduler (-T, -S, set-weight, set-priority, forget, retry,
 release) needs root or membership of the admin group (admin_group in
-/etc/kiwi.toml, default "kiwi"); status, tenants and workloads are open to every
-local user.
+/etc/kiwi.toml, default "kiwi"); wake needs that or to be the user the tenant's
+processes run as; status, tenants and workloads are open to every local user.
 
 exit status:
   0  success
@@ -127,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="TENANT",
             help="tenant id, container id (4+ characters), name, pod or PID",
         )
+    _add_wake(sub)
     for name, what, kind in (
         ("set-weight", f"weight: its quantum is TQ x weight ({TenantPolicy.WEIGHT_RANGE})", float),
         (
@@ -192,6 +198,37 @@ def _add_forget(sub: Any) -> None:
     cmd.add_argument("workload", metavar="WORKLOAD", help="its name as kiwictl workloads lists it")
 
 
+def _add_wake(sub: Any) -> None:
+    text = (
+        "wake a parked tenant (idle, its memory in host RAM): it joins the queue as a "
+        "burst and is restored at its turn, as a request to it would; a gateway may call "
+        "this when a request for the tenant is on its way. A tenant that is not parked "
+        "is left as it is"
+    )
+    cmd = sub.add_parser("wake", help=text, description=text)
+    _add_socket(cmd, argparse.SUPPRESS)
+    cmd.add_argument(
+        "tenant",
+        metavar="TENANT",
+        help="tenant id, container id (4+ characters), name, pod or PID",
+    )
+
+
+def _wake(path: str, query: str) -> int:
+    """``kiwictl wake TENANT``: find the tenant, ask kiwid to wake it, say what happened."""
+    try:
+        tenant = explain.find_tenant(request(path, "status"), query)
+    except (explain.TenantNotFound, explain.AmbiguousTenant) as exc:
+        print(f"[ERROR] {exc}; see kiwictl tenants", file=sys.stderr)
+        return EXIT_INVALID
+    result = request(path, "wake", {"tenant": str(tenant["id"])})
+    if result.get("woken"):
+        print(f"[INFO] Woke {result['tenant']}: it is {result['state']}, queued for its turn.")
+    else:
+        print(f"[INFO] {result['tenant']} is not parked ({result['state']}): nothing to wake.")
+    return EXIT_OK
+
+
 def _add_explain(sub: Any) -> None:
     text = "say in plain words why a tenant waits, idles or is stuck, who is ahead, and its ledger"
     cmd = sub.add_parser("explain", help=text, description=text)
@@ -233,6 +270,8 @@ def _run(args: argparse.Namespace) -> int:
         return explain.run(path, args.tenant, as_json=args.json)
     if args.command in mending.HELP:
         return mending.run(path, args.command, args.tenant)
+    if args.command == "wake":
+        return _wake(path, args.tenant)
     if args.command in ("set-weight", "set-priority"):
         return _set_policy(path, args.command, args.tenant, args.value)
     if args.command == "forget":

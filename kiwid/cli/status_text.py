@@ -10,6 +10,7 @@ from typing import Any
 
 from kiwid.cli.fault_text import fault_clause
 from kiwid.cli.handover_text import handover_line
+from kiwid.cli.parking_text import parked_clause
 
 __all__ = ["format_number", "format_status", "format_tenants"]
 
@@ -121,6 +122,8 @@ def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
         waiting = f"; not let go yet: {t['waiting_for']}" if t.get("waiting_for") else ""
         if t.get("state") == "released":
             waiting += f"; released by an operator ({t.get('released') or 'nothing to say'})"
+        if t.get("state") == "parked":
+            waiting += f"; {parked_clause(t)}"
         lines.append(
             f"{label}{t['id']} ({who}): {t.get('state')}, pids {pids}, {size}{where}{known}"
             f"{refused}{waiting}"

@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
 from kiwid.cli.explain import format_bytes, format_duration, waiter_eta
+from kiwid.cli.parking_text import parked_clause
 
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_WINDOW_S = 300.0
@@ -167,6 +168,15 @@ def _swap_line(gpu: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _parked_lines(gpu: Mapping[str, Any]) -> list[str]:
+    parked = [t for t in gpu.get("tenants") or [] if t.get("state") == "parked"]
+    return [
+        f"{'  parked   ' if i == 0 else '           '}{t['id']}: "
+        f"{parked_clause(t).removeprefix('parked ')}"
+        for i, t in enumerate(parked)
+    ]
+
+
 def _tenant_rows(gpu: Mapping[str, Any], shares: ShareTracker, width: int) -> list[str]:
     tenants = gpu.get("tenants") or []
     if not tenants:
@@ -223,6 +233,7 @@ def _gpu_lines(gpu: Mapping[str, Any], shares: ShareTracker, width: int) -> list
         _holder_line(gpu),
         *_queue_lines(gpu),
         *_swap_line(gpu),
+        *_parked_lines(gpu),
         *_tenant_rows(gpu, shares, width),
     ]
 

@@ -22,6 +22,7 @@ from kiwid.daemon.engine.engine import Engine
 from kiwid.daemon.engine.executor import Lanes
 from kiwid.daemon.gating.state import StateFile
 from kiwid.daemon.tenants.policy import PolicyBook
+from kiwid.daemon.tenants.waker import Waker
 from kiwid.daemon.tenants.workloads import WorkloadBook
 
 
@@ -69,6 +70,8 @@ class Context:
     reload: ReloadRecord = field(default_factory=ReloadRecord)
     tenant_policies: PolicyBook = field(default_factory=PolicyBook)
     """Each tenant's weight, priority, TQ and swap policy, and where they came from."""
+    waker: Waker = field(default_factory=Waker)
+    """What the parked tenants' sockets showed: where each wakes, and its reads' troubles."""
     started: float = 0.0
     """Monotonic time kiwid started at."""
     state_trouble: str | None = None

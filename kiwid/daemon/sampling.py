@@ -67,6 +67,26 @@ def follow_gated(ctx: Context) -> None:
             ctx.engine.follow(key, {pid: start_of(pid) for pid in sorted(info.pids)})
 
 
+def wake_on_requests(ctx: Context) -> list[Event]:
+    """Ask the core to wake each parked tenant that a client waits on (its sockets).
+
+    The freezer holds a parked tenant's processes: a request then waits in its
+    queues. The CUDA lock leaves them running: a request it read waits unanswered
+    at its first CUDA call (:mod:`kiwid.daemon.tenants.waker`).
+    """
+    scheduler = ctx.engine.scheduler
+    tenants = ctx.engine.tracker.tenants
+    parked = {
+        key: frozenset(info.pids)
+        for key, info in tenants.items()
+        if info.pids and scheduler.tenant_state(key) is TenantState.PARKED
+    }
+    freezes = ctx.engine.effects.gate.method == "freeze"
+    records = ctx.state.records
+    frozen = {k for k in parked if freezes or (k in records and records[k].fenced)}
+    return list(ctx.waker.events(parked, frozen))
+
+
 def poll(ctx: Context) -> list[Event]:
     """Sample every GPU; return the events that the differences amount to."""
     samples: list[GpuSample] = []
@@ -120,6 +140,7 @@ def poll(ctx: Context) -> list[Event]:
     events = [*arrivals, *ctx.tenant_policies.events(tenants), *remembered, *rest]
     for line in ctx.tenant_policies.overruns(tenants):
         log.warning(line)
+    events += wake_on_requests(ctx)
     if ctx.can_swap and ctx.settings.memory.swap != "none":
         events.append(HostMemorySeen(procs.available_host_memory()))
         for sample in samples:

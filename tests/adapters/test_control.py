@@ -945,6 +945,7 @@ def test_the_command_table_is_public_and_typed() -> None:
         **dict.fromkeys(["forget-workload", "retry", "release"], Access.ADMIN),
         **dict.fromkeys(["sim-attach", "sim-detach", "sim-foreign", "sim-fault"], Access.ADMIN),
         **dict.fromkeys(["register", "unregister"], Access.ROOT),
+        "wake": Access.OWNER,
     }
     assert COMMANDS["set-weight"].args == {"tenant": Arg(Kind.STRING), "weight": Arg(Kind.NUMBER)}
     assert COMMANDS["set-priority"].args["priority"] == Arg(Kind.INTEGER)
@@ -978,8 +979,13 @@ def test_the_protocol_document_gives_every_command_its_level() -> None:
     for name, spec in COMMANDS.items():
         mine = [h for h in headings if f"`{name}`" in h]
         assert len(mine) == 1, name
-        label = "(root" if "(root" in mine[0] else "(admin" if "(admin" in mine[0] else None
-        expected = {Access.READ: None, Access.ADMIN: "(admin", Access.ROOT: "(root"}
+        label = next((w for w in ("(root", "(admin or owner", "(admin") if w in mine[0]), None)
+        expected = {
+            Access.READ: None,
+            Access.ADMIN: "(admin",
+            Access.ROOT: "(root",
+            Access.OWNER: "(admin or owner",
+        }
         assert label == expected[spec.access], mine[0]
 
 

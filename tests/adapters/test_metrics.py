@@ -42,7 +42,11 @@ STATUS: dict[str, Any] = {
     "config": {"path": "/etc/kiwi.toml", "last_reload": {"ok": True, "error": None}},
     "scheduling": "on",
     "uptime_s": 600.0,
-    "counters": {"reloads": {"ok": 4, "failed": 1}},
+    "counters": {
+        "reloads": {"ok": 4, "failed": 1},
+        "wakes": {"request": 5, "operator": 1},
+        "restores_wasted": 3,
+    },
     "gpus": [
         {
             "id": "0",
@@ -564,3 +568,24 @@ def test_lines_kept_between_scrapes_are_those_a_fresh_render_writes(
     after = exposition.render(status)
     assert after != before  # the change shows
     assert after == Exposition().render(status)
+
+
+def test_parking_is_counted_per_tenant_and_wakes_by_reason() -> None:
+    status = copy.deepcopy(STATUS)
+    tenants = status["gpus"][0]["tenants"]
+    tenants[1]["state"] = "parked"
+    _, samples = parse(Exposition().render(status))
+    parked = {
+        dict(key)["tenant"]: value
+        for (name, key), value in samples.items()
+        if name == "kiwi_tenant_parked"
+    }
+    assert parked == {t["id"]: float(t["state"] == "parked") for t in tenants}
+    assert parked[tenants[1]["id"]] == 1.0
+    wakes = {
+        dict(key)["reason"]: value
+        for (name, key), value in samples.items()
+        if name == "kiwi_wakes_total"
+    }
+    assert wakes == {"request": 5.0, "operator": 1.0, "policy": 0.0}
+    assert samples["kiwi_restores_wasted_total", frozenset()] == 3.0

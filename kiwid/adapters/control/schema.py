@@ -30,6 +30,9 @@ class Access(enum.Enum):
     """Root, or a member (primary or supplementary) of the admin group."""
     ROOT = "root"
     """Only uid 0."""
+    OWNER = "owner"
+    """Root, the admin group, or the user whose tenant it names: the adapter lets
+    everyone through with ``Peer.admin`` set, and the daemon judges the tenant's owner."""
 
 
 class Kind(enum.Enum):
@@ -123,6 +126,9 @@ COMMANDS: Mapping[str, CommandSpec] = MappingProxyType(
         # An operator's word on a stuck tenant: try again, or let it run ungated.
         "retry": CommandSpec(Access.ADMIN, _args(tenant=Arg(Kind.STRING))),
         "release": CommandSpec(Access.ADMIN, _args(tenant=Arg(Kind.STRING))),
+        # A parked tenant joins the queue: an operator's word, or a router's that saw
+        # a request for it (its owner may send it too).
+        "wake": CommandSpec(Access.OWNER, _args(tenant=Arg(Kind.STRING))),
         "sim-attach": CommandSpec(
             Access.ADMIN,
             _args(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -321,6 +322,8 @@ class ControlServer:
             check_args(cmd, args)
             if COMMANDS[cmd].access is not Access.READ:
                 logger.info("uid %d (pid %d): %s %s", peer.uid, peer.pid, cmd, args)
+            if COMMANDS[cmd].access is Access.OWNER:
+                peer = dataclasses.replace(peer, admin=self._is_admin(peer))
             response = await self._call(cmd, args, peer, rid)
         except ControlError as exc:
             response = error_message(rid, exc.code, exc.message, exc.arg)
@@ -333,7 +336,7 @@ class ControlServer:
 
     def _authorise(self, cmd: str, peer: Peer) -> None:
         spec = COMMANDS[cmd]
-        if spec.access is Access.READ or peer.uid == 0:
+        if spec.access in (Access.READ, Access.OWNER) or peer.uid == 0:
             return
         if spec.access is Access.ADMIN and self._is_admin(peer):
             return

@@ -53,12 +53,15 @@ class Peer:
         uid: Effective user id.
         gid: Effective group id.
         groups: Supplementary groups plus ``gid`` (only ``gid`` if unreadable).
+        admin: Root or a member of the admin group (set by the server for
+            ``Access.OWNER`` commands, whose handler judges everyone else).
     """
 
     pid: int
     uid: int
     gid: int
     groups: frozenset[int]
+    admin: bool = False
 
 
 class EncodedResult(bytes):

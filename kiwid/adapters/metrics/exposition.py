@@ -159,6 +159,7 @@ class Exposition:
                         _refusal_reason(tenant.get("swap_refusal")),
                         policy.get("weight"),
                         policy.get("priority"),
+                        tenant.get("state") == "parked",
                     )
                 )
         for entry in departed:
@@ -168,7 +169,7 @@ class Exposition:
                     continue
                 labels = (tid, entry.get("name"), entry.get("pod"), entry.get("namespace"), gid)
                 values = [ledger.get(field) for field in _LEDGER_FIELDS]
-                add((*labels, *values, None, None, False, None, None, None, None))
+                add((*labels, *values, None, None, False, None, None, None, None, None))
         self._tenant_cache = fresh  # only what this scrape showed: bounded like the status
         columns = zip(*rows, strict=True) if rows else [()] * len(_TENANT_FAMILIES)
         return [
@@ -181,7 +182,7 @@ def _tenant_lines(key: _TenantKey) -> tuple[str, ...]:
     """One tenant's lines (or "") in each tenant family, from its cache key."""
     labels = _labels(zip(TENANT_LABELS, key[:5], strict=True))
     *values, preempted, by_priority = key[5 : 5 + len(_LEDGER_FIELDS)]
-    footprint, declared, gate_failed, stuck, refusal, weight, priority = key[
+    footprint, declared, gate_failed, stuck, refusal, weight, priority, parked = key[
         5 + len(_LEDGER_FIELDS) :
     ]
     lines = [
@@ -208,6 +209,7 @@ def _tenant_lines(key: _TenantKey) -> tuple[str, ...]:
     lines.append(f"kiwi_tenant_swap_refused{refused} 1\n" if refusal else "")
     lines.append("" if weight is None else f"kiwi_tenant_weight{labels} {_number(weight)}\n")
     lines.append("" if priority is None else f"kiwi_tenant_priority{labels} {_number(priority)}\n")
+    lines.append("" if parked is None else f"kiwi_tenant_parked{labels} {int(parked)}\n")
     return tuple(lines)
 
 
@@ -283,7 +285,10 @@ def _histogram(name: str, gid: str, hist: Mapping[str, Any] | None) -> list[str]
 
 
 def _daemon_families(status: Mapping[str, Any]) -> list[str]:
-    reloads = (status.get("counters") or {}).get("reloads") or {}
+    counters = status.get("counters") or {}
+    reloads = counters.get("reloads") or {}
+    wakes = counters.get("wakes")
+    wasted = counters.get("restores_wasted")
     last = ((status.get("config") or {}).get("last_reload") or {}).get("ok")
     scheduling, version = status.get("scheduling"), status.get("version")
     # (name, type, help, its sample lines: none where the status lacks the field)
@@ -296,6 +301,25 @@ def _daemon_families(status: Mapping[str, Any]) -> list[str]:
                 f'kiwi_reloads_total{{result="{result}"}} {_number(reloads.get(result, 0))}'
                 for result in ("ok", "failed")
             ],
+        ),
+        (
+            "kiwi_wakes_total",
+            "counter",
+            "Parked tenants woken since start, by reason (request: a client waited on one of "
+            "its sockets; operator: kiwictl wake; policy: it could park no longer).",
+            []
+            if wakes is None
+            else [
+                f'kiwi_wakes_total{{reason="{reason}"}} {_number(wakes.get(reason, 0))}'
+                for reason in ("request", "operator", "policy")
+            ],
+        ),
+        (
+            "kiwi_restores_wasted_total",
+            "counter",
+            "Restores since start after which the tenant did no GPU work in its turn "
+            "(its memory moved back for nothing).",
+            [] if wasted is None else [f"kiwi_restores_wasted_total {_number(wasted)}"],
         ),
         (
             "kiwi_config_last_reload_successful",

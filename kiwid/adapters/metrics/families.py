@@ -64,6 +64,11 @@ _TENANT_GAUGES = (
     ),
     ("kiwi_tenant_weight", "The tenant's weight: its quantum is TQ x weight."),
     ("kiwi_tenant_priority", "The tenant's priority class (higher first)."),
+    (
+        "kiwi_tenant_parked",
+        "1 while the tenant is parked: idle, its memory in host RAM, out of the queue "
+        "until a request waits on one of its sockets or kiwictl wake; 0 otherwise.",
+    ),
 )
 # The tenant families in the order of the exposition (and of a tenant's lines).
 _TENANT_FAMILIES = (
@@ -126,6 +131,8 @@ METRIC_FAMILIES: tuple[str, ...] = (
     *(family[0] for family in _GPU_FAMILIES),
     HANDOVER,
     "kiwi_reloads_total",
+    "kiwi_wakes_total",
+    "kiwi_restores_wasted_total",
     "kiwi_config_last_reload_successful",
     "kiwi_scheduling_enabled",
     "kiwi_build_info",

@@ -20,7 +20,7 @@ from kiwid.adapters.sim import SimBackend
 from kiwid.config.reader import SHORT_TQ_S
 from kiwid.core.model import GpuPolicy, TenantPolicy
 from kiwid.daemon.context import Context
-from kiwid.daemon.control import operator
+from kiwid.daemon.control import operator, waking
 from kiwid.daemon.control.admission import Admission
 from kiwid.daemon.control.status import StatusCache, tenant_json
 from kiwid.daemon.logs import seconds
@@ -92,6 +92,7 @@ async def _tenants(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
                 resolved.get(t.tenant),
                 now,
                 c.ctx.workloads.workload(t.tenant),
+                wakes_on=c.ctx.waker.wakes_on.get(t.tenant, ()),
             )
             for t in engine.scheduler.view(now).tenants
         ]
@@ -298,6 +299,12 @@ async def _release(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     return await operator.release(c.ctx, args["tenant"], peer)
 
 
+async def _wake(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
+    answer = waking.wake(c.ctx, args["tenant"], peer)
+    c.status.invalidate()
+    return answer
+
+
 async def _register(c: Commands, args: dict[str, Any], peer: Peer) -> Result:
     return await c.admission.register(args, peer)
 
@@ -322,6 +329,7 @@ HANDLERS: dict[str, Handler] = {
     "set-priority": _set_priority,
     "retry": _retry,
     "release": _release,
+    "wake": _wake,
     "register": _register,
     "unregister": _unregister,
 }

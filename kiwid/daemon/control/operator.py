@@ -41,6 +41,7 @@ _NOT_STUCK = {
     S.WAITING: "kiwid lets it go at its turn",
     S.HOLDER: "it holds its GPU now",
     S.CORUNNING: "it runs ungated beside others: its GPUs do not gate now",
+    S.PARKED: "it is parked, idle in host RAM, until a request or `kiwictl wake`",
 }
 
 

@@ -51,6 +51,9 @@ def ledger_json(ledger: LedgerView | None) -> dict[str, Any] | None:
         "swap_s": round(ledger.swap_s, 3),
         "preempted_priority": ledger.preempted_priority,
         "entitled_s": round(ledger.entitled_s, 3),
+        "parked_s": round(ledger.parked_s, 3),
+        "wakes": ledger.wakes,
+        "restores_wasted": ledger.restores_wasted,
     }
 
 
@@ -60,8 +63,15 @@ def tenant_json(
     resolved: Resolved | None = None,
     now: float | None = None,
     workload: str | None = None,
+    *,
+    wakes_on: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One tenant, as status and ``tenants`` list it.
+
+    A parked tenant (idle, its memory in host RAM, out of the queue) has
+    ``parked_since`` (Unix time) and ``wakes_on``, where a connection wakes it;
+    ``park_refusal`` says why a tenant may not park (``None``: it may); ``last_wake``
+    when and why it was last woken.
 
     ``resident`` is ``False`` while its GPU memory is off the card (``residency``
     says where: in host RAM, or moving); ``waiting_for`` says why a gated tenant
@@ -105,10 +115,24 @@ def tenant_json(
         "declared_bytes": view.policy.memory_bytes,
         "declared_source": resolved.declared_source if resolved else None,
         "peak_bytes": max((view.peak or {}).values(), default=0) or None,
+        **_parking_json(view, now, wakes_on),
     }
 
 
-_DEFAULT_SOURCES = dict.fromkeys(("weight", "priority", "tq", "swap"), "default")
+def _parking_json(view: TenantView, now: float | None, wakes_on: tuple[str, ...]) -> dict[str, Any]:
+    parked = view.state is TenantState.PARKED
+    wake = view.last_wake
+    return {
+        "parked_since": round(time.time() - (now - view.since), 3) if parked and now else None,
+        "wakes_on": list(wakes_on) if parked else None,
+        "park_refusal": view.parks,
+        "last_wake": None
+        if wake is None or now is None
+        else {"ago_s": round(now - wake[0], 3), "reason": wake[1], "detail": wake[2]},
+    }
+
+
+_DEFAULT_SOURCES = dict.fromkeys(("weight", "priority", "tq", "swap", "park"), "default")
 
 
 def _preemption_json(
@@ -211,6 +235,7 @@ def build_status(ctx: Context) -> dict[str, Any]:
                             resolved.get(t.tenant),
                             now,
                             ctx.workloads.workload(t.tenant),
+                            wakes_on=ctx.waker.wakes_on.get(t.tenant, ()),
                         )
                         for t in view.tenants
                         if gid in t.gpus
@@ -242,7 +267,11 @@ def build_status(ctx: Context) -> dict[str, Any]:
         "scheduling": "off" if ctx.overrides.scheduling_off else "on",
         "gate": engine.effects.gate.method,
         "uptime_s": round(now - ctx.started, 3),
-        "counters": {"reloads": dict(record.counts)},
+        "counters": {
+            "reloads": dict(record.counts),
+            "wakes": dict(view.wakes),
+            "restores_wasted": view.restores_wasted,
+        },
         "gpus": gpus,
         "host_floor_bytes": ctx.settings.memory.host_floor_mib * MIB,
         "handover_allowance_s": allowance,

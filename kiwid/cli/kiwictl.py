@@ -218,8 +218,15 @@ def _wake(path: str, query: str) -> int:
     """``kiwictl wake TENANT``: find the tenant, ask kiwid to wake it, say what happened."""
     try:
         tenant = explain.find_tenant(request(path, "status"), query)
-    except (explain.TenantNotFound, explain.AmbiguousTenant) as exc:
-        print(f"[ERROR] {exc}; see kiwictl tenants", file=sys.stderr)
+    except explain.AmbiguousTenant as exc:
+        print(f"[ERROR] {exc}; say which (see kiwictl tenants)", file=sys.stderr)
+        return EXIT_INVALID
+    except explain.TenantNotFound:
+        print(
+            f"[ERROR] no tenant matches {query!r} (by id, container id, name, pod or PID); "
+            "see kiwictl tenants",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     result = request(path, "wake", {"tenant": str(tenant["id"])})
     if result.get("woken"):

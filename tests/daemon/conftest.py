@@ -230,11 +230,14 @@ def tenants() -> Iterator[Callable[..., Tenant]]:
         *,
         workload: str | None = None,
         maps: Path | None = None,
+        work: str | None = None,
     ) -> Tenant:
         """A tenant; with ``v2=False`` it stays in our cgroup2 and has only a v1 freezer one.
 
         Its command line is the same for every tenant of one ``workload`` (default:
-        its name), as a job's is when it runs again; ``maps``: a file it maps.
+        its name), as a job's is when it runs again; ``maps``: a file it maps;
+        ``work``: Python code it runs once started instead of a busy or sleeping loop
+        (with ``busy=False``, it is started once it sleeps, e.g. in ``accept``).
         """
         in_v2 = v2
         v2 = V2_ROOT / parent / name
@@ -246,7 +249,7 @@ def tenants() -> Iterator[Callable[..., Tenant]]:
         # says when its start-up (CPU work the sim would see) is over.
         go_r, go_w = os.pipe()
         ready_r, ready_w = os.pipe()
-        work = "while True: pass" if busy else "import time\ntime.sleep(3600)"
+        work = work or ("while True: pass" if busy else "import time\ntime.sleep(3600)")
         mapping = (
             "import mmap, sys\nf = open(os.environ['KIWI_TEST_MAP'], 'r+b')\n"
             "m = mmap.mmap(f.fileno(), 0)\n"

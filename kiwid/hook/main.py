@@ -15,7 +15,8 @@ kiwid finds the pod by them when the annotations lack its names), the weight and
 priority its pod asks for (annotations ``kiwi.io/weight`` and ``kiwi.io/priority``;
 kiwid caps them by the matching ``[[tenants]]`` rule, docs/scheduling.md), the GPU
 memory it declares (``kiwi.io/gpu-memory``, a Kubernetes quantity; docs/memory.md),
-and sends kiwid ``register``; ``poststop`` sends ``unregister``.
+whether it may park when idle (``kiwi.io/park``, ``"true"`` or ``"false"``), and
+sends kiwid ``register``; ``poststop`` sends ``unregister``.
 
 A hook must never hang, and fails a container start for one reason only: a GPU
 memory declaration that is no memory size, or that kiwid refuses because none of
@@ -31,7 +32,8 @@ must, and run ungated it would take memory kiwid never counts. Otherwise:
 * an annotation ``kiwi.io/weight`` or ``kiwi.io/priority`` that is not a number is
   left out with a warning (the tenant gets what the rules give it), and one outside
   the range kiwid takes is brought within it with a warning: kiwid refuses a whole
-  registration with a value out of range, and the container would run ungated;
+  registration with a value out of range, and the container would run ungated; a
+  ``kiwi.io/park`` that is neither ``"true"`` nor ``"false"`` is left out alike;
 * a malformed state on stdin is treated the same way (warning, exit 0). It means
   a runtime bug or a hook wired up by hand; failing would turn a Kiwi problem
   into a container that cannot start at all, on every start, while running it

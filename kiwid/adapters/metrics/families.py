@@ -116,8 +116,9 @@ _GPU_FAMILIES = (
     (
         "kiwi_waiter_wait_bound_seconds",
         "gauge",
-        "The bound on the waiting tenant's wait: (waiters ahead + 1) x TQ + the hand-over "
-        "allowance.",
+        "The bound on the waiting tenant's wait, counted from its start: the holder's "
+        "quantum, the quanta ahead (TQ x weight) and the hand-over allowance, plus one TQ "
+        "per hand-over where memory swaps; absent where no bound holds (status says why).",
         ("gpu", "tenant"),
     ),
 )

@@ -13,6 +13,7 @@ from kiwid.core.events import (
     FootprintSeen,
     Gate,
     GpusConfigured,
+    HostMemorySeen,
     SwapIn,
     SwapOut,
     TenantAttached,
@@ -183,6 +184,26 @@ def test_a_parked_tenant_whose_memory_cannot_leave_is_let_go_idle() -> None:
     assert fleet.state("s1") is S.IDLE
     assert fleet.sched.residency("s1") is Residency.RESIDENT
     assert not fleet.sched.gated("s1")
+
+
+def test_nobody_parks_below_the_host_ram_floor() -> None:
+    card = Card(SwapMode.CHECKPOINT, capacity_gib=16, park=True)
+    card.do(GpusConfigured({"0": card.policy}, host_floor_bytes=8 * GiB))
+    card.do(HostMemorySeen(9 * GiB))  # a 3 GiB swap-out would leave 6: below the floor
+    out: list[Action] = []
+    for name in SERVERS:
+        card.do(TenantAttached(name, frozenset({"0"})))
+        card.do(FootprintSeen(name, "0", 3 * GiB))
+    for name, gib in (("t", 4), ("u", 6)):
+        card.do(TenantAttached(name, frozenset({"0"})))
+        card.do(FootprintSeen(name, "0", gib * GiB))
+        out += card.do(ActivitySeen(name))
+    for _ in range(60):
+        card.clock.advance(1.0)
+        out += card.do(Tick())
+    assert not [a for a in out if isinstance(a, SwapOut) and a.tenant in SERVERS]
+    assert {card.sched.tenant_state(s) for s in SERVERS} == {S.IDLE}
+    assert all(card.sched.residency(s) is Residency.RESIDENT for s in SERVERS)
 
 
 def test_a_parked_tenant_can_get_stuck_like_any_other() -> None:

@@ -135,6 +135,8 @@ class Fleet:
         self.requests: list[Request] = []
         self.last_status: dict[str, Any] | None = None
         self.warmup: float | None = None
+        self.cleaned: list[str] | None = None
+        """What the clean-up could not undo (``None``: not cleaned up yet)."""
         self.settled = False
         self.start_t = self.end_t = 0.0
         self._log_at = 0
@@ -202,7 +204,8 @@ class Fleet:
         # s2 warms up (one request): the trainer's next turn makes its room, and s1, which
         # never ran, is the first to go (least recently run): the window's first request
         # finds it parked.
-        self.warmup = _get(self.servers[min(1, len(self.servers) - 1)].port)
+        with contextlib.suppress(OSError):  # with park "off" it may wait behind every server
+            self.warmup = _get(self.servers[min(1, len(self.servers) - 1)].port, o.settle)
         self.settled = bool(runs and wait_until(self._trainer_runs, o.settle, 0.2))
 
     def _attach(self, pid: int, memory: int, activity: str) -> None:
@@ -323,7 +326,9 @@ class Fleet:
     # ------------------------------------------------------------ clean-up
 
     def cleanup(self) -> list[str]:
-        """Stop kiwid, recover, kill every process, thaw and remove every cgroup."""
+        """Stop kiwid, recover, kill every process, thaw and remove every cgroup (once)."""
+        if self.cleaned is not None:
+            return self.cleaned
         problems: list[str] = []
         self._halt.set()
         self.daemon.stop(60)
@@ -351,6 +356,7 @@ class Fleet:
             trainer.wait()
         if self.double is not None:
             self.double.close()
+        self.cleaned = problems
         return problems
 
 

@@ -36,6 +36,10 @@ from tests.daemon.test_driver_faults_e2e import start
 from tests.stand_ins import cudadir
 from tests.stand_ins.cudadouble import CudaTenant
 
+# Each test samples, every 50 ms, that a process is locked within one poll: a busy
+# neighbour on the other xdist worker could delay a poll past that, so they run alone.
+pytestmark = pytest.mark.serial
+
 SAMPLE_S = 0.05
 ONE_POLL_S = 0.25
 """A process kiwid could not see before (no context): one poll, its lock, a sample's
@@ -174,7 +178,6 @@ def test_a_waiting_tenants_new_process_is_locked_during_its_own_checkpoint(
         card.double.clear(first, "checkpoint")
 
 
-@pytest.mark.serial
 def test_a_hung_checkpoint_does_not_idle_the_gpu(
     start_kiwid, workdir: Path, card: Card, sampled: Sampler
 ) -> None:

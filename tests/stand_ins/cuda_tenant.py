@@ -14,7 +14,12 @@ Run as a script (``python tests/stand_ins/cuda_tenant.py --memory BYTES``) with
    RUNNING (and the GPU not lost) it burns the CPU for ~5 ms and counts one
    iteration, so that the stand-in NVML's live sampling sees it run; while
    LOCKED, CHECKPOINTED or lost it sleeps 10 ms at a time (state S, no samples)
-   and makes no progress.
+   and makes no progress. With ``--serve PORTFILE`` it works only for requests
+   (:func:`serve`): it listens on TCP 127.0.0.1 (the port goes to PORTFILE) and,
+   blocked in ``accept``/``recv`` in between (idle: no CPU, no samples), reads a
+   request line (the iterations to do, default 20), does them in the same loop
+   (so it waits the same way while LOCKED or CHECKPOINTED: a server whose first
+   CUDA call blocks), then answers ``done N`` and closes the connection.
 
 Progress goes to ``progress/PID`` in the double's directory: two little-endian
 uint64 in a mapped file, the iterations done and the CLOCK_MONOTONIC time (ns)
@@ -45,6 +50,7 @@ import ctypes
 import mmap
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -133,6 +139,44 @@ def work(
         progress_path.unlink(missing_ok=True)
 
 
+def serve(port_file: Path, directory: Path) -> Callable[[], None]:
+    """The ``on_iteration`` of :func:`work` for a server (``--serve``): work per request.
+
+    At its first call it listens and writes the port to ``port_file``. Each call
+    returns at once while the request at hand still has iterations to do (the loop
+    does them, or waits while gated); once they are done it answers, then blocks
+    until the next request has been read. Only the first process serves.
+    """
+    pid = os.getpid()
+    listener: socket.socket | None = None
+    client: socket.socket | None = None
+    asked = target = 0
+
+    def on_iteration() -> None:
+        nonlocal listener, client, asked, target
+        if listener is None:
+            listener = socket.create_server(("127.0.0.1", 0))
+            cudadir.write_atomic(port_file, f"{listener.getsockname()[1]}\n")
+        done = cudadir.read_progress(directory, pid)[0]
+        if client is not None:
+            if done < target:
+                return
+            with client:
+                client.sendall(f"done {asked}\n".encode())
+            client = None
+        while client is None:  # a client that hangs up before its request is dropped
+            client, _ = listener.accept()
+            with client.makefile("rb") as reader:
+                line = reader.readline(64).strip()
+            if not line:
+                client.close()
+                client = None
+        asked = int(line) if line.isdigit() else 20
+        target = done + asked
+
+    return on_iteration
+
+
 def spawn(directory: Path, memory: int, seconds: float | None, create: Callable[[], None]) -> int:
     """Fork a process that works until the first one dies (or the end); return its PID."""
     pid = os.fork()
@@ -163,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         help="create the CUDA context(s) only once PATH exists (a first CUDA call, late)",
     )
     parser.add_argument(
+        "--serve",
+        type=Path,
+        metavar="PORTFILE",
+        help="work only for requests on a TCP port of 127.0.0.1, written to PORTFILE",
+    )
+    parser.add_argument(
         "--fault",
         action="append",
         default=[],
@@ -173,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.memory < 0 or args.processes < 1:
         parser.error("--memory must be >= 0 and --processes >= 1")
+    if args.serve is not None and (args.seconds is not None or args.spawn_later is not None):
+        parser.error("--serve waits for requests: not with --seconds or --spawn-later")
     faults: dict[int, dict[str, str]] = {}
     for spec in args.fault:
         index, op, line = [*spec.split(":", 2), "", ""][:3]
@@ -214,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             args.memory,
             args.seconds,
             lambda: create_contexts(directory, args.memory, at_start),
-            maybe_spawn,
+            maybe_spawn if args.serve is None else serve(args.serve, directory),
             args.context_when,
         )
     finally:

@@ -248,6 +248,7 @@ class DriverDouble:
         faults: tuple[Fault, ...] = (),
         timeout: float = 10.0,
         context_when: Path | None = None,
+        serve: Path | None = None,
     ) -> CudaTenant:
         """Start ``cuda_tenant.py``; return once its ``processes`` have a context.
 
@@ -256,6 +257,8 @@ class DriverDouble:
         the driver on it first, as it could between a start and :meth:`fault`.
         ``context_when``: its contexts come only once that file exists (its first
         CUDA call, late); it returns once the process runs, with no context yet.
+        ``serve``: it works only for requests, on the port it writes to that file
+        (``cuda_tenant.py --serve``).
 
         Raises:
             RuntimeError: it exited first (e.g. out of memory) or took too long; what
@@ -271,6 +274,8 @@ class DriverDouble:
             argv += ["--fault", f"{fault.process}:{fault.op}:{fault.text()}"]
         if context_when is not None:
             argv += ["--context-when", str(context_when)]
+        if serve is not None:
+            argv += ["--serve", str(serve)]
         env = {**os.environ, cudadir.ENVIRONMENT: str(self.directory)}
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, text=True)
         tenant = CudaTenant(proc, self.directory, cgroup)

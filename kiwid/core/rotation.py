@@ -131,12 +131,18 @@ def release_quiet(
 ) -> None:
     """1. Early release: running bursts that went quiet for ``idle_release`` go idle.
 
-    A holder that did no GPU work in all of its turn parks instead, where it may
-    (:mod:`kiwid.core.parking`): gated, its memory to host RAM, out of the queue.
+    A holder woken from parked that did no GPU work in all of its turn parks again
+    instead, where it may (:mod:`kiwid.core.parking`): gated, its memory to host RAM,
+    out of the queue. A holder that came in a burst of its own goes idle, ungated,
+    even if its turn showed no work: it had work when it queued, and a turn that
+    shows none may be a reading that came late (after a retry, on a loaded host).
+    Idle and ungated, its next work is seen and queues it again; parked, gated, it
+    could show none and would wait for a request that may never come.
     """
     for t in among:
         if t.state in _RUNNING and not t.gated and now >= table.idle_at(t):
-            if t.state is S.HOLDER and t.turn.silent() and _parks(table, t):
+            quiet = t.turn.silent() and t.turn.idle_since_woken()
+            if t.state is S.HOLDER and quiet and _parks(table, t):
                 parking.park_unused(table, t, now, actions)
                 room.swap_out(table, t, actions)
                 continue

@@ -71,6 +71,11 @@ class Turn:
         began = self.began
         return began is not None and (self.last_active is None or self.last_active < began)
 
+    def idle_since_woken(self) -> bool:
+        """Whether it was woken from parked and has shown no GPU work since."""
+        woken = self.last_wake
+        return woken is not None and (self.last_active is None or self.last_active < woken[0])
+
 
 @dataclass
 class Memory:

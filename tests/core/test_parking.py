@@ -137,6 +137,25 @@ def test_a_turn_without_gpu_work_parks_the_tenant_again_and_counts_the_restore()
     assert view.wakes == {"operator": 1}
 
 
+def test_a_busy_tenant_whose_turn_shows_no_work_goes_idle_ungated_not_parked() -> None:
+    # Its work may only have been seen late (after a retry, on a loaded host):
+    # parked, gated, it could show none, and no request may ever come to wake it.
+    fleet = Fleet(park=True)
+    fleet.live(60)
+    holder = fleet.sched.view(fleet.clock.now()).gpus[0].holder
+    (waiter,) = {"t", "u"} - {holder}
+    assert fleet.state(waiter) is S.WAITING
+    fleet.busy.discard(waiter)  # its next turn shows no work
+    out: list[Action] = []
+    while Ungate(waiter) not in out:
+        out += fleet.live(1)
+    fleet.live(fleet.policy.idle_release_s + 1)
+    assert fleet.state(waiter) is S.IDLE and not fleet.sched.gated(waiter)
+    fleet.busy.add(waiter)
+    fleet.do(ActivitySeen(waiter))  # its work shows: it queues again
+    assert fleet.state(waiter) in (S.WAITING, S.HOLDER)
+
+
 def test_a_woken_tenant_of_a_higher_priority_suspends_the_holder() -> None:
     fleet = Fleet(park=True)
     fleet.do(TenantPolicySet("s3", TenantPolicy(priority=1)))

@@ -29,17 +29,25 @@ import pytest
 
 from kiwid.adapters.cgroups import CgroupLayout
 from kiwid.adapters.cudalock import CudaLock, ProcessState
-from kiwid.core.events import Converged, Gated, MemorySplit, TenantFaulted, Ungated, Want
+from kiwid.core.events import (
+    Converged,
+    Gated,
+    MemorySplit,
+    SwapFinished,
+    TenantFaulted,
+    Ungated,
+    Want,
+)
 from kiwid.core.model import Fault
 from kiwid.core.residency import Residency
-from kiwid.daemon.engine import converge_jobs, gate_jobs, side_jobs
+from kiwid.daemon.engine import converge_jobs, gate_jobs, side_jobs, swap_jobs
 from kiwid.daemon.engine.executor import Job, Kind
 from kiwid.daemon.engine.tools import SwapGuards, Tools
 from kiwid.daemon.gating.cudagate import CudaLockGate
 from kiwid.daemon.gating.gates import FreezeGate
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.gating.state import StateFile
-from kiwid.daemon.gating.swap import CheckpointSwapper
+from kiwid.daemon.gating.swap import CheckpointSwapper, restore_checkpointed
 from kiwid.daemon.tenants.tracker import Identity, TenantInfo
 from tests.adapters.conftest import cuda_library, double
 from tests.helpers import wait_for
@@ -187,6 +195,34 @@ def test_a_swapped_out_tenants_new_process_goes_to_host_ram_and_is_counted(
     assert found.host_bytes == {"0": 2 * SIZE}  # the core hears what moved
     assert lock(tools).state(second) is CHECKPOINTED
     assert record(tools).swapped == {"0": 2 * SIZE} and second in record(tools).pids
+
+
+def test_a_moved_out_process_that_ended_keeps_nothing_of_its_tenant_in_host_ram(
+    double: DriverDouble, tools: Tools, cgroup: Path
+) -> None:
+    # Matrix checkpoint/newproc: the new process, moved to host RAM with the rest,
+    # ended; its record still named it, and each swap asked the driver its state
+    # first: NOT_INITIALIZED, taken for a failure. The tenant's restore failed at
+    # its turn (stuck), its checkpoint failed (kept on the card), and `kiwid
+    # recover` left its first process in host RAM. A process gone has nothing to move.
+    held, second = swapped_out(double, tools, cgroup)
+    in_host = want(gated=True, memory=Residency.HOST)
+    side_jobs.follow(tools, job(Kind.FOLLOW, held, in_host))
+    converge_jobs.converge(tools, job(Kind.CONVERGE, held, in_host))
+    assert lock(tools).state(second) is CHECKPOINTED and second in record(tools).pids
+    newcomer = next(t for t in double.tenants if t.pid == second)
+    double.close([replace(newcomer, cgroup=None)])  # it ends alone, not its cgroup
+    first = min(held.pids)
+    back = swap_jobs.swap(tools, job(Kind.SWAP_IN, held))[-1]
+    assert isinstance(back, SwapFinished) and back.ok, back
+    assert lock(tools).state(first) is LOCKED
+    assert second in record(tools).pids, "still named: a swap-out must pass it over too"
+    out = replace(job(Kind.SWAP_OUT, held), sizes={"0": SIZE})
+    gone = swap_jobs.swap(tools, out)[-1]
+    assert isinstance(gone, SwapFinished) and gone.ok, gone
+    assert lock(tools).state(first) is CHECKPOINTED
+    restore_checkpointed(lock(tools), record(tools))  # as `kiwid recover` restores it
+    assert lock(tools).state(first) is LOCKED
 
 
 def test_a_new_process_whose_footprint_nobody_says_counts_as_the_tenants_size(

@@ -141,12 +141,14 @@ class CheckpointSwapper:
             SwapError: a checkpoint failed (its undo is tried; the placement says how it went).
         """
         done: list[int] = []
-        for pid in record.pids:
+        for pid, start in record.pid_starts().items():
             try:
-                if self._lock.state(pid) is not ProcessState.LOCKED:
-                    continue  # not a CUDA process, or already in host RAM
+                if recorded_state(self._lock, pid, start) is not ProcessState.LOCKED:
+                    continue  # gone, not a CUDA process, or already in host RAM
                 self._lock.checkpoint(pid)
             except CudaLockError as err:
+                if not procs.alive(pid, start):
+                    continue  # it ended during its checkpoint: nothing of it to move
                 for back in reversed(done):
                     try:
                         self._lock.restore(back)
@@ -229,12 +231,35 @@ def restore_checkpointed(lock: CudaLock, record: GatedRecord) -> None:
     Raises:
         SwapError: a restore failed (out of device memory, most likely).
     """
-    for pid in record.pids:
+    for pid, start in record.pid_starts().items():
         try:
-            if lock.state(pid) is ProcessState.CHECKPOINTED:
+            if recorded_state(lock, pid, start) is ProcessState.CHECKPOINTED:
                 lock.restore(pid)
         except CudaLockError as err:
+            if not procs.alive(pid, start):
+                continue  # it ended during its restore: its memory went with it
             raise _swap_error(f"restore of pid {pid}", pid, err) from err
+
+
+def recorded_state(lock: CudaLock, pid: int, start: int | None) -> ProcessState | None:
+    """The driver's state of a process a record names (``None``: gone, or no CUDA context).
+
+    A record keeps every process it ever named, also one that ended since (a process
+    a follow locked while its tenant waited): the driver answers ``NOT_INITIALIZED``
+    for it, and it has no memory anywhere. It must not keep the rest of its tenant's
+    memory from moving.
+
+    Raises:
+        CudaLockError: the driver could not say, for a live process.
+    """
+    if not procs.alive(pid, start):
+        return None
+    try:
+        return lock.state(pid)
+    except CudaLockError as err:
+        if err.name == "CUDA_ERROR_NOT_INITIALIZED" or not procs.alive(pid, start):
+            return None
+        raise
 
 
 class SimSwapper:

@@ -288,8 +288,8 @@ class MemorySettings:
     park: str = "idle"
     """What happens to an idle tenant whose memory went to host RAM: ``"idle"`` it
     parks (gated, out of the queue, its memory left in host RAM) until a request waits
-    on one of its sockets or ``kiwictl wake`` wakes it; it parks too after a turn in
-    which it did no GPU work. ``"off"`` it is queued again like any waiter, restored
+    on one of its sockets or ``kiwictl wake`` wakes it; woken, it parks again after a
+    turn in which it did no GPU work. ``"off"`` it is queued again like any waiter, restored
     at its turn whether it has work or not. Only where memory moves (``swap`` is not
     ``"none"``). Default ``"idle"``."""
 

@@ -232,7 +232,7 @@ class GpuPolicy:
             run at until one is seen on this GPU (``None``: the slowest expected of
             the driver's checkpoint on an H200).
         park: Whether idle tenants park (``memory.park = "idle"``): one swapped out
-            for room while idle, or one that did no GPU work in a turn it got, stays in
+            for room while idle, or a woken one that did no GPU work in its turn, stays in
             host RAM, out of the queue, until woken. ``False`` (``"off"``): it waits
             for a turn like any other.
     """

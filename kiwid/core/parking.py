@@ -66,7 +66,7 @@ def may_park(table: TenantTable, t: TenantRecord) -> bool:
 
 
 def park_unused(table: TenantTable, t: TenantRecord, now: float, actions: list[Action]) -> None:
-    """A holder that did no GPU work in the turn it got parks: gated, its memory leaves.
+    """A woken holder that did no GPU work in its turn parks again: gated, memory out.
 
     The caller checked :func:`may_park` and the host-RAM floor. Its swap-out is
     asked after its gate (a tenant's jobs run in order).

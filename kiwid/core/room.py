@@ -49,13 +49,46 @@ def release_ungated(table: TenantTable, t: TenantRecord, now: float, actions: li
     elif t.memory.residency is R.HOST and t.turn.retry_at <= now:
         short = shortfall(table, t, t.gpus, whole_card=False)
         if short:
-            t.turn.waiting_for = _no_room(table, t, short)
+            parked = [_park_idle(table, t, s, now=now, actions=actions) for s in short.items()]
+            if not any(parked):  # (idle tenants that may not park): look again each TQ
+                t.turn.waiting_for = _no_room(table, t, short)
+                t.turn.retry_at = now + table.policy_of(t).tq_s
             return
         low = free_short(table, t, t.gpus)
         if low is not None:
             t.turn.waiting_for = low
             return
         _restore(table, t, actions)
+
+
+def _park_idle(
+    table: TenantTable,
+    t: TenantRecord,
+    short: tuple[GpuId, int],
+    *,
+    now: float,
+    actions: list[Action],
+) -> bool:
+    """Park idle tenants on ``gpu`` to make room for ``t``'s restore where nothing gates.
+
+    Nobody takes turns there, so no grant makes room; without this, ``t`` would wait in
+    host RAM beside idle tenants for ever. Only tenants that may park go: one that
+    may not would be queued in host RAM in its turn, and two such would take each
+    other's room for ever. Whether any was asked to leave (a ``SwapFinished`` brings
+    ``t`` back here).
+    """
+    gpu, missing = short
+    modes = {g: p.swap for g, p in table.policies.items()}
+    idle = [
+        v
+        for v in memory.victims(t, gpu, table.members(gpu), missing, modes, everyone=False)
+        if v.state is S.IDLE and parking.may_park(table, v) and floor_refusal(table, v) is None
+    ]
+    for victim in idle:
+        table.gate(victim, actions)
+        table.set_state(victim, Trigger.PARKED_IDLE, now)
+        swap_out(table, victim, actions)
+    return bool(idle)
 
 
 def start_holder(

@@ -76,6 +76,12 @@ def test_a_tenant_in_its_own_network_namespace_is_read_from_outside(lab: Lab) ->
     )
     # No thread of ours stayed in (or went to) the tenant's namespace.
     assert not any(t.name == "kiwi-sockdiag-netns" for t in threading.enumerate())
+    # The helper thread has ended for Python; the kernel drops its task a moment later.
+    wait_until(
+        lambda: set(_thread_namespaces().values()) == set(before.values()),
+        5,
+        "the helper thread's task to be gone",
+    )
     after = _thread_namespaces()
     assert {tid: after[tid] for tid in before if tid in after} == {
         tid: ino for tid, ino in before.items() if tid in after

@@ -486,8 +486,9 @@ def test_tenant_rules_through_the_role_are_a_reload(
                 "priority": 0,
                 "tq": None,
                 "swap": "allow",
+                "park": True,
                 "rule": None,
-                "sources": dict.fromkeys(("weight", "priority", "tq", "swap"), "default"),
+                "sources": dict.fromkeys(("weight", "priority", "tq", "swap", "park"), "default"),
                 "capped": [],
                 "runtime": False,
             }

@@ -234,6 +234,33 @@ def test_a_parked_tenant_can_get_stuck_like_any_other() -> None:
     assert fleet.state("s2") is S.STUCK
 
 
+def test_where_nothing_gates_a_tenant_held_in_host_ram_gets_room_from_parking_idle_ones() -> None:
+    # t0 moves to GPU 0 and back (its memory goes to host RAM on the way); then GPU 1
+    # turns to mode auto: t0 alone bursts and fits, so GPU 1 stops gating, while the
+    # idle t1 and t2 fill its card. Nobody takes turns, so no grant makes room: an
+    # idle tenant parks for t0's restore (found by the property test below: t0
+    # waited in host RAM for ever, and the core had no reason to look again).
+    policy = GpuPolicy(
+        tq_s=1.0, idle_release_s=0.5, capacity_bytes=40 * GiB, reserve_bytes=GiB,
+        swap=SwapMode.AUTO, park=True,
+    )  # fmt: skip
+    run = Run(Scheduler(dict.fromkeys(("0", "1", "2"), policy)))
+    for tenant, gib in (("t0", 1), ("t1", 19), ("t2", 20)):
+        run.step(TenantAttached(tenant, frozenset({"1"})))
+        run.step(FootprintSeen(tenant, "1", gib * GiB))
+        run.step(ActivitySeen(tenant))
+    run.step(TenantAttached("t0", frozenset({"0"})))
+    run.step(TenantAttached("t0", frozenset({"1"})))
+    auto = {"0": policy, "1": replace(policy, mode=Mode.AUTO), "2": policy}
+    run.step(GpusConfigured(auto))
+    for _ in range(30):
+        run.step(Answer(0, ok=True))
+        run.pass_time(1.0)
+    states = {t: run.sched.tenant_state(t) for t in ("t0", "t1", "t2")}
+    assert run.sched.residency("t0") is Residency.RESIDENT, states
+    assert S.PARKED in (states["t1"], states["t2"]), states
+
+
 swapping = st.builds(
     GpuPolicy,
     tq_s=st.sampled_from([1.0, 5.0]),

@@ -3,9 +3,12 @@
 ``scripts/test`` runs the suite in two parts (``--part``, see ``pytest --help``):
 
 * ``parallel``: every test not marked ``serial``, spread over pytest-xdist workers
-  (``-n auto --dist loadgroup``). Tests marked ``xdist_group("name")`` run on one
-  worker, in file order (e.g. tests/deploy/test_rollout.py, whose tests share one
-  fleet and each leaves it as the next expects). The long ones are sent first, so
+  (``-n auto --dist loadfile``). The tests of one file run on one worker, in file
+  order (e.g. tests/deploy/test_rollout.py, whose tests share one fleet and each
+  leaves it as the next expects). Not ``--dist loadgroup``: pytest-xdist 3.8 tags a
+  grouped test by setting ``item._nodeid``, which pytest 9 no longer reads, so its
+  ``xdist_group`` marks group nothing and such a file's tests were spread over
+  workers, each with a fleet of its own. The long ones are sent first, so
   that no worker starts a minutes-long test at the end while the others idle.
 * ``serial``: the tests marked ``serial``, one after the other in one process, with
   no other test running: each measures time (shares of the GPU over a minute, a

@@ -1,4 +1,4 @@
-"""Memory moves: room for a holder, restores that cannot run out, prefetch, hand-overs.
+"""Memory moves: room for a holder, restores that cannot run out, swap-outs.
 
 The rules of :mod:`kiwid.core.rotation` that move memory, kept apart from the ones
 that decide who holds. Three promises:
@@ -8,10 +8,8 @@ that decide who holds. Three promises:
   reading of its free memory (what nobody the scheduler knows took), less the
   restores in flight and ``memory.reserve_mib``. A restore that runs out of device
   memory can leave a process stuck in host RAM for good, so it waits instead;
-* the next in line comes back before the holder's quantum ends whenever it fits
-  beside the tenants on the card, so that a hand-over only moves the gate;
-* a holder whose quantum is over keeps the GPU while the next one's memory is on
-  its way (at most one more TQ): the GPU works instead of waiting for a restore.
+* the next in line comes back before the holder's quantum ends, and a holder keeps
+  the GPU while that memory is on its way: :mod:`kiwid.core.prefetch`.
 """
 
 from __future__ import annotations
@@ -30,6 +28,8 @@ from kiwid.core.tenant import TenantRecord
 S = TenantState
 R = Residency
 PREFETCH_MARGIN_S = 1.0
+"""Seconds of slack on a move's expected time: a prefetch is asked that much earlier,
+and a move is overdue that much later."""
 DEFAULT_RESTORE_BYTES_PER_S = 5e9
 """Restore rate assumed until one is seen (the driver's restore on an H200: 5.5-7 GB/s)."""
 DEFAULT_CHECKPOINT_BYTES_PER_S = 2e9
@@ -178,11 +178,11 @@ def _restore(table: TenantTable, t: TenantRecord, actions: list[Action]) -> None
     t.memory.residency = move(t.memory.residency, Move.SWAP_IN)
     t.turn.waiting_for = None
     t.turn.free_wait_since = None
-    _moving(table, t, "in")
+    moving(table, t, "in")
     actions.append(SwapIn(t.id, epoch=t.epoch))
 
 
-def _moving(table: TenantTable, t: TenantRecord, direction: str) -> None:
+def moving(table: TenantTable, t: TenantRecord, direction: str) -> None:
     """A move of ``t`` was just asked: by when it should be done (``move_due``).
 
     Twice its size at the rate seen so far on its GPUs (or the link's expected
@@ -198,14 +198,14 @@ def _moving(table: TenantTable, t: TenantRecord, direction: str) -> None:
         for other in table.members(gpu):
             if other is not t and other.memory.residency in same:
                 start = max(start, other.memory.move_due)
-        rate = rates.get(gpu) or _link_rate(table, gpu, direction)
+        rate = rates.get(gpu) or link_rate(table, gpu, direction)
         seconds = max(seconds, 2 * t.held(gpu) / rate)
     if start == math.inf:  # one ahead of it is overdue itself: count from now
         start = table.now
     t.memory.move_due = start + seconds + PREFETCH_MARGIN_S
 
 
-def _link_rate(table: TenantTable, gpu: GpuId, direction: str) -> float:
+def link_rate(table: TenantTable, gpu: GpuId, direction: str) -> float:
     """The rate a swap ``direction`` is expected to run at on ``gpu`` before one is seen."""
     policy = table.policies.get(gpu)
     link = policy.link_bytes_per_s if policy is not None else None
@@ -334,121 +334,12 @@ def swap_out(table: TenantTable, t: TenantRecord, actions: list[Action]) -> None
     if floor_refusal(table, t) is not None:
         return
     t.memory.residency = move(t.memory.residency, Move.SWAP_OUT)
-    _moving(table, t, "out")
+    moving(table, t, "out")
     sizes = tuple((g, t.held(g)) for g in sorted(t.gpus))
     actions.append(SwapOut(t.id, sizes, epoch=t.epoch))
 
 
-# ---------------------------------------------------------------- hand-overs
-
-
-def next_in_line(
-    holder: TenantRecord, gating: frozenset[GpuId], queue: list[TenantRecord]
-) -> TenantRecord | None:
-    """The first waiter on the holder's GPUs (the one its hand-over goes to)."""
-    gpus = holder.gpus & gating
-    return next((t for t in queue if t.gpus & gpus and t.state is S.WAITING), None)
-
-
-def prefetch(
-    table: TenantTable,
-    holder: TenantRecord,
-    gating: frozenset[GpuId],
-    queue: list[TenantRecord],
-    due: float,
-) -> tuple[TenantRecord, float] | None:
-    """The tenant to bring back before ``holder``'s quantum ends at ``due``, and when.
-
-    Only the first in line on the holder's GPUs, only if it is in host RAM, its
-    footprint is known, it fits beside everything on the card (a prefetch never
-    evicts anyone) and the driver's free memory takes it.
-    """
-    nxt = next_in_line(holder, gating, queue)
-    if nxt is None or nxt.memory.residency is not R.HOST or not _may_return(table, nxt):
-        return None
-    seconds = PREFETCH_MARGIN_S
-    for gpu in nxt.gpus & gating:
-        policy = table.policies[gpu]
-        if policy.swap is SwapMode.NONE:
-            return None
-        used = memory.occupied(table.members(gpu), gpu, nxt)
-        if used + nxt.size(gpu) > memory.room(policy):
-            return None
-        rate = table.restore_rate.get(gpu) or _link_rate(table, gpu, "in")
-        seconds = max(seconds, nxt.held(gpu) / rate + PREFETCH_MARGIN_S)
-    if free_short(table, nxt, nxt.gpus & gating) is not None:
-        return None
-    return nxt, due - seconds
-
-
-def deferred_until(
-    table: TenantTable,
-    holder: TenantRecord,
-    gating: frozenset[GpuId],
-    queue: list[TenantRecord],
-    due: float,
-) -> float | None:
-    """Until when ``holder`` keeps the GPU past its quantum's end ``due`` (``None``: it does not).
-
-    While the next one's memory is on its way back (a restore in flight, or one
-    that only waits for swap-outs in flight to make room beside the holder), the
-    hand-over waits for it: the holder works on instead of the GPU waiting for a
-    restore. At most one more TQ, so that a stuck swap cannot keep the GPU.
-    """
-    nxt = next_in_line(holder, gating, queue)
-    if nxt is None or not _arriving(table, nxt, gating):
-        return None
-    gpus = holder.gpus & gating
-    return due + min((table.policies[g].tq_s for g in gpus), default=0.0)
-
-
-def _arriving(table: TenantTable, nxt: TenantRecord, gating: frozenset[GpuId]) -> bool:
-    if nxt.memory.residency is R.PREFETCHING:
-        return True
-    if nxt.memory.residency not in (R.HOST, R.SWAPPING_OUT) or not _may_return(table, nxt):
-        return False
-    leaving = nxt.memory.residency is R.SWAPPING_OUT
-    for gpu in nxt.gpus & gating:
-        policy = table.policies[gpu]
-        if policy.swap is SwapMode.NONE:
-            return False
-        members = table.members(gpu)
-        going = sum(
-            o.size(gpu) for o in members if o is not nxt and o.memory.residency is R.SWAPPING_OUT
-        )
-        if memory.occupied(members, gpu, nxt) - going + nxt.size(gpu) > memory.room(policy):
-            return False
-        leaving |= going > 0
-    # Nothing on its way out: it must be able to start now, else it waits on memory
-    # nobody here frees (the driver's reading), which is no reason to hold the GPU.
-    return leaving or free_short(table, nxt, nxt.gpus & gating) is None
-
-
-def _may_return(table: TenantTable, t: TenantRecord) -> bool:
-    """Whether ``t`` may come back ahead of its turn: its size is known or declared."""
-    return t.sized and t.turn.retry_at <= table.now and t.turn.adopting_until <= table.now
-
-
-# ---------------------------------------------------------------- steps 6 and 7 of a pass
-
-
-def prefetch_next(
-    table: TenantTable,
-    among: list[TenantRecord],
-    gating: frozenset[GpuId],
-    wanted: dict[GpuId, tuple[float, int]],
-    actions: list[Action],
-) -> None:
-    """6. Prefetch: the next in line comes back from host RAM before its turn."""
-    queue = table.queue(gating, among)
-    for t in among:
-        plan = prefetch_plan(table, t, gating, queue, wanted)
-        if plan is not None and table.now >= plan[1]:
-            nxt = plan[0]
-            nxt.memory.residency = move(nxt.memory.residency, Move.PREFETCH)
-            nxt.turn.waiting_for = None
-            _moving(table, nxt, "in")
-            actions.append(SwapIn(nxt.id, epoch=nxt.epoch))
+# ---------------------------------------------------------------- step 7 of a pass
 
 
 def checkpoint_waiters(
@@ -470,19 +361,3 @@ def checkpoint_waiters(
             and any(table.policies[g].swap is SwapMode.CHECKPOINT for g in t.gpus & gating)
         ):
             swap_out(table, t, actions)
-
-
-def prefetch_plan(
-    table: TenantTable,
-    holder: TenantRecord,
-    gating: frozenset[GpuId],
-    queue: list[TenantRecord],
-    wanted: dict[GpuId, tuple[float, int]],
-) -> tuple[TenantRecord, float] | None:
-    """Whom to bring back before ``holder`` yields, and when (see :func:`prefetch`)."""
-    if holder.state is not S.HOLDER or holder.gated:
-        return None
-    due = table.preempt_at(holder, gating, wanted)
-    if due is None:
-        return None
-    return prefetch(table, holder, gating, queue, due[0])

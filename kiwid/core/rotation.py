@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiwid.core import parking, room, timers
+from kiwid.core import parking, prefetch, room, timers
 from kiwid.core.events import Action
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.residency import Move, Residency, move
@@ -79,7 +79,7 @@ def reconcile(
     if table.changes != changes:
         wanted = table.wanted(p.gating, among)  # preemptions and grants changed who waits
     if p.swapping:
-        room.prefetch_next(table, among, p.gating, wanted, actions)  # 6
+        prefetch.prefetch_next(table, among, p.gating, wanted, actions)  # 6
         room.checkpoint_waiters(table, among, p.gating, actions)  # 7
     if members_changed or table.changes != changes:
         timers.entitle(p.gating, among, now)
@@ -215,7 +215,7 @@ def preempt_due(p: Pass, wanted: dict[GpuId, tuple[float, int]]) -> None:
     """3b. Preemption: quantum over and someone waits, or a higher class waits.
 
     At the quantum's end the hand-over waits while the next one's memory is on its
-    way back (at most one more TQ, :func:`room.deferred_until`).
+    way back (at most one more TQ, :func:`prefetch.deferred_until`).
     """
     table, gating, now = p.table, p.gating, p.now
     queue: list[TenantRecord] | None = None
@@ -225,7 +225,7 @@ def preempt_due(p: Pass, wanted: dict[GpuId, tuple[float, int]]) -> None:
             continue
         if p.swapping and due[1] == "quantum":
             queue = table.queue(gating, p.among) if queue is None else queue
-            until = room.deferred_until(table, t, gating, queue, due[0])
+            until = prefetch.deferred_until(table, t, gating, queue, due[0])
             if until is not None and now < until:
                 continue
         _preempt(table, t, due[1], gating=gating, among=p.among, now=now)

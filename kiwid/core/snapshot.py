@@ -5,7 +5,7 @@ Everything here reads the tables and copies what it shows; nothing decides.
 
 from __future__ import annotations
 
-from kiwid.core import memory, parking, room
+from kiwid.core import memory, parking, prefetch, room
 from kiwid.core.model import GpuId, TenantId, TenantState
 from kiwid.core.residency import Residency
 from kiwid.core.table import TenantTable
@@ -158,9 +158,9 @@ def _handover_waits_for(
     due = table.preempt_at(holder, gating)
     if due is None or due[1] != "quantum" or due[0] > table.now:
         return None
-    if room.deferred_until(table, holder, gating, queue, due[0]) is None:
+    if prefetch.deferred_until(table, holder, gating, queue, due[0]) is None:
         return None
-    nxt = room.next_in_line(holder, gating, queue)
+    nxt = prefetch.next_in_line(holder, gating, queue)
     return nxt.id if nxt else None
 
 

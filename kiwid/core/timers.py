@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from kiwid.core import room
+from kiwid.core import prefetch
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.table import NO_GPU, TenantTable
 from kiwid.core.tenant import TenantRecord
@@ -121,10 +121,10 @@ def update_deadlines(
                 at = due[0]
                 if swapping and due[1] == "quantum" and at <= now:
                     # Past its quantum: it holds on while the next one comes back.
-                    at = room.deferred_until(table, t, gating, queue, at) or at
+                    at = prefetch.deferred_until(table, t, gating, queue, at) or at
                 deadline = min(deadline, at)
             if swapping:
-                plan = room.prefetch_plan(table, t, gating, queue, wanted)
+                plan = prefetch.prefetch_plan(table, t, gating, queue, wanted)
                 if plan is not None and plan[1] > now:
                     deadline = min(deadline, plan[1])
         wake(t, deadline)

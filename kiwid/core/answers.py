@@ -15,7 +15,8 @@ import math
 from dataclasses import replace
 
 from kiwid.core import parking
-from kiwid.core.events import Action, Converge, Converged, MemorySplit, SwapFinished
+from kiwid.core.actions import Action, Converge
+from kiwid.core.events import Converged, MemorySplit, SwapFinished
 from kiwid.core.lever import Pull, pull
 from kiwid.core.model import GpuId, TenantId, TenantState
 from kiwid.core.residency import Move, Residency, move, settle

@@ -11,15 +11,8 @@ from __future__ import annotations
 
 import math
 
-from kiwid.core.events import (
-    Action,
-    JobOverdue,
-    Mended,
-    Release,
-    Released,
-    Retry,
-    TenantFaulted,
-)
+from kiwid.core.actions import Action, Release, Retry
+from kiwid.core.events import JobOverdue, Mended, Released, TenantFaulted
 from kiwid.core.lever import Pull, pull
 from kiwid.core.model import GpuId, TenantId, TenantState
 from kiwid.core.residency import Residency, settle

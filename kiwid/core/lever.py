@@ -1,7 +1,7 @@
 """Whether a tenant's gate holds, and which way it is moving, as one table.
 
-The scheduler asks for a gate (:class:`~kiwid.core.events.Gate`) and for an ungate
-(:class:`~kiwid.core.events.Ungate`); the shell answers each once it has taken
+The scheduler asks for a gate (:class:`~kiwid.core.actions.Gate`) and for an ungate
+(:class:`~kiwid.core.actions.Ungate`); the shell answers each once it has taken
 (``Gated``, ``Ungated``). Between the two a tenant's gate is on its way, and
 what it may do then differs: a tenant whose gate is *closing* may still run (no
 one else is let go on its GPUs), one whose gate is *opening* does not run yet

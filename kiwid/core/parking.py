@@ -16,7 +16,7 @@ them for everyone, parked or not).
 
 from __future__ import annotations
 
-from kiwid.core.events import Action
+from kiwid.core.actions import Action
 from kiwid.core.model import Mode, SwapMode, TenantState, TenantSwap
 from kiwid.core.states import Trigger
 from kiwid.core.table import TenantTable

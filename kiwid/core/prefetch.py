@@ -12,7 +12,7 @@ Two promises, beside :mod:`kiwid.core.room`'s:
 from __future__ import annotations
 
 from kiwid.core import memory, room
-from kiwid.core.events import Action, SwapIn
+from kiwid.core.actions import Action, SwapIn
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.residency import Move, Residency, move
 from kiwid.core.table import TenantTable

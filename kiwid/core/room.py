@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from kiwid.core import memory, parking
-from kiwid.core.events import Action, SwapIn, SwapOut
+from kiwid.core.actions import Action, SwapIn, SwapOut
 from kiwid.core.handover import Phase
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.residency import Move, Residency, move

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiwid.core import parking, prefetch, room, timers
-from kiwid.core.events import Action
+from kiwid.core.actions import Action
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.residency import Move, Residency, move
 from kiwid.core.states import Trigger

@@ -44,8 +44,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from kiwid.core import answers, faults, memory, parking, rotation, snapshot
+from kiwid.core.actions import Action, Want
 from kiwid.core.events import (
-    Action,
     ActivitySeen,
     Admitted,
     Converged,
@@ -72,7 +72,6 @@ from kiwid.core.events import (
     Tick,
     Ungated,
     WakeAsked,
-    Want,
 )
 from kiwid.core.ledger import LedgerView
 from kiwid.core.lever import Pull, pull

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kiwid.core.events import Action, Converge, Fence, Gate, Ungate
+from kiwid.core.actions import Action, Converge, Fence, Gate, Ungate
 from kiwid.core.handover import Handover, Phase, step
 from kiwid.core.lever import Pull, pull
 from kiwid.core.memory import HostMemory

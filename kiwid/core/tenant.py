@@ -114,7 +114,7 @@ class FaultState:
     regate_at: float = math.inf
     """Stuck and not contained: when its gate is tried again."""
     mending: bool = False
-    """Stuck, and a :class:`~kiwid.core.events.Retry` or ``Release`` is under way.
+    """Stuck, and a :class:`~kiwid.core.actions.Retry` or ``Release`` is under way.
 
     Until that job answers (``Mended``, ``Released``, or a fault of its own), no gate
     is asked for the tenant: it would run after the release (its jobs run in order)

@@ -11,11 +11,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kiwid.core.actions import SwapOut
 from kiwid.core.events import (
     ActivitySeen,
     FootprintRemembered,
     FootprintSeen,
-    SwapOut,
     TenantAttached,
     TenantPolicySet,
 )

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiwid.core.events import Event, Gated, Ungate, Ungated
+from kiwid.core.actions import Ungate
+from kiwid.core.events import Event, Gated, Ungated
 from kiwid.core.handover import STEPS, Handover, InvalidStep, Phase, step
 from kiwid.core.model import SwapMode
 from tests.core.timed_card import TimedCard

@@ -9,14 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiwid.core.events import (
-    MemoryFreeSeen,
-    SwapFinished,
-    SwapIn,
-    SwapOut,
-    TenantUnswappable,
-    Ungate,
-)
+from kiwid.core.actions import SwapIn, SwapOut, Ungate
+from kiwid.core.events import MemoryFreeSeen, SwapFinished, TenantUnswappable
 from kiwid.core.model import Newcomer, SwapMode, TenantState
 from kiwid.core.residency import Residency
 from tests.core.timed_card import GiB, TimedCard

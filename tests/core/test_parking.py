@@ -7,20 +7,16 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kiwid.core.actions import Action, Gate, SwapIn, SwapOut, Ungate
 from kiwid.core.events import (
-    Action,
     ActivitySeen,
     FootprintSeen,
-    Gate,
     GpusConfigured,
     HostMemorySeen,
-    SwapIn,
-    SwapOut,
     TenantAttached,
     TenantFaulted,
     TenantPolicySet,
     Tick,
-    Ungate,
     WakeAsked,
 )
 from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantPolicy, TenantState

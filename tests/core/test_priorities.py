@@ -6,21 +6,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kiwid.core.actions import Action, Gate, SwapIn, SwapOut, Ungate
 from kiwid.core.clock import FakeClock
 from kiwid.core.events import (
-    Action,
     ActivitySeen,
     Event,
     FootprintSeen,
-    Gate,
     Gated,
     SwapFinished,
-    SwapIn,
-    SwapOut,
     TenantAttached,
     TenantPolicySet,
     Tick,
-    Ungate,
     Ungated,
 )
 from kiwid.core.model import GpuPolicy, SwapMode, TenantPolicy, TenantState, TenantSwap

@@ -19,32 +19,34 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiwid.core.events import (
+from kiwid.core.actions import (
     Action,
-    ActivitySeen,
     Converge,
+    Fence,
+    Gate,
+    Release,
+    Retry,
+    SwapIn,
+    SwapOut,
+    Ungate,
+)
+from kiwid.core.events import (
+    ActivitySeen,
     Converged,
     Event,
-    Fence,
     FootprintSeen,
-    Gate,
     Gated,
     GpusConfigured,
     Mended,
-    Release,
     ReleaseAsked,
     Released,
-    Retry,
     RetryAsked,
     SwapFinished,
-    SwapIn,
-    SwapOut,
     TenantAttached,
     TenantDetached,
     TenantFaulted,
     TenantPolicySet,
     Tick,
-    Ungate,
     Ungated,
     WakeAsked,
 )

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from kiwid.core.actions import Action, Converge, Gate, Release, Ungate
 from kiwid.core.clock import FakeClock
 from kiwid.core.events import (
-    Action,
     ActivitySeen,
-    Converge,
     Event,
     FootprintSeen,
-    Gate,
     Gated,
     GpusConfigured,
-    Release,
     ReleaseAsked,
     Released,
     RetryAsked,
@@ -22,7 +19,6 @@ from kiwid.core.events import (
     TenantDetached,
     TenantFaulted,
     Tick,
-    Ungate,
     Ungated,
 )
 from kiwid.core.model import GpuPolicy, Mode, TenantState

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from kiwid.core.actions import Action, Gate, SwapIn, SwapOut, Ungate
 from kiwid.core.clock import FakeClock
 from kiwid.core.events import (
-    Action,
     ActivitySeen,
     Event,
     FootprintSeen,
-    Gate,
     Gated,
     GpusConfigured,
     SwapFinished,
-    SwapIn,
-    SwapOut,
     TenantAdopted,
     TenantAttached,
     TenantDetached,
     Tick,
-    Ungate,
     Ungated,
 )
 from kiwid.core.model import GpuPolicy, Mode, SwapMode, TenantState

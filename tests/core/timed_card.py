@@ -17,23 +17,19 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kiwid.core.actions import Action, Gate, SwapIn, SwapOut, Ungate
 from kiwid.core.clock import FakeClock
 from kiwid.core.events import (
-    Action,
     ActivitySeen,
     Event,
     FootprintRemembered,
     FootprintSeen,
-    Gate,
     Gated,
     MemoryFreeSeen,
     SwapFinished,
-    SwapIn,
-    SwapOut,
     TenantAttached,
     TenantPolicySet,
     Tick,
-    Ungate,
     Ungated,
 )
 from kiwid.core.model import GpuPolicy, Newcomer, SwapMode, TenantPolicy

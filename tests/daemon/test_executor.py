@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiwid.adapters.cudalock import CudaLock
-from kiwid.core.events import Converge, Fence, Gate, SwapIn, SwapOut, Ungate
+from kiwid.core.actions import Converge, Fence, Gate, SwapIn, SwapOut, Ungate
 from kiwid.daemon.engine.deadlines import deadlines
 from kiwid.daemon.engine.executor import Executor, Kind, Lanes
 from kiwid.daemon.gating.swap import CheckpointSwapper

@@ -29,15 +29,8 @@ import pytest
 
 from kiwid.adapters.cgroups import CgroupLayout
 from kiwid.adapters.cudalock import CudaLock, ProcessState
-from kiwid.core.events import (
-    Converged,
-    Gated,
-    MemorySplit,
-    SwapFinished,
-    TenantFaulted,
-    Ungated,
-    Want,
-)
+from kiwid.core.actions import Want
+from kiwid.core.events import Converged, Gated, MemorySplit, SwapFinished, TenantFaulted, Ungated
 from kiwid.core.model import Fault
 from kiwid.core.residency import Residency
 from kiwid.daemon.engine import converge_jobs, gate_jobs, side_jobs, swap_jobs

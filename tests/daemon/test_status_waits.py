@@ -8,19 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiwid.core.actions import Gate, SwapIn, SwapOut, Ungate
 from kiwid.core.events import (
     ActivitySeen,
     FootprintSeen,
-    Gate,
     Gated,
     MemoryFreeSeen,
     SwapFinished,
-    SwapIn,
-    SwapOut,
     TenantAttached,
     TenantFaulted,
     Tick,
-    Ungate,
     Ungated,
 )
 from kiwid.core.model import GpuPolicy, SwapMode, TenantState

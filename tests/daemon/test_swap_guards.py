@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from kiwid.adapters.sim import SimBackend
-from kiwid.core.events import MemoryFreeSeen, SwapFinished, SwapIn, SwapOut
+from kiwid.core.actions import SwapIn, SwapOut
+from kiwid.core.events import MemoryFreeSeen, SwapFinished
 from kiwid.daemon.engine.effects import Effects, SwapGuards
 from kiwid.daemon.engine.executor import Executor
 from kiwid.daemon.gating.gates import NullGate

@@ -3,7 +3,7 @@
 Level-triggered, as a Kubernetes controller's reconcile: it does not replay what
 was asked before, it reads what is (each process's driver state, the freezer,
 the state file's record) and what the core wants as the job starts (a
-:class:`~kiwid.core.events.Want`), and closes the gap:
+:class:`~kiwid.core.actions.Want`), and closes the gap:
 
 * **gated** — every process that runs is locked, recorded ahead of the lock
   (under the freezer gate: its cgroup frozen); one that will not lock is fenced
@@ -30,7 +30,8 @@ import time
 from dataclasses import replace
 
 from kiwid.adapters.cudalock import ProcessState
-from kiwid.core.events import Converged, Event, TenantFaulted, Want
+from kiwid.core.actions import Want
+from kiwid.core.events import Converged, Event, TenantFaulted
 from kiwid.core.residency import Residency
 from kiwid.daemon.engine.executor import Job
 from kiwid.daemon.engine.side_jobs import freeze

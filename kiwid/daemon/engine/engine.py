@@ -28,15 +28,8 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from kiwid.core.events import (
-    Action,
-    ActivitySeen,
-    Converge,
-    Event,
-    Fence,
-    TenantDetached,
-    Tick,
-)
+from kiwid.core.actions import Action, Converge, Fence
+from kiwid.core.events import ActivitySeen, Event, TenantDetached, Tick
 from kiwid.core.model import TenantState
 from kiwid.core.scheduler import Scheduler, Transition
 from kiwid.core.states import Trigger

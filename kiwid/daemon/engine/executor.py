@@ -35,7 +35,7 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kiwid.core.events import (
+from kiwid.core.actions import (
     Action,
     Converge,
     Fence,

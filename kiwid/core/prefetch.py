@@ -11,7 +11,7 @@ Two promises, beside :mod:`kiwid.core.room`'s:
 
 from __future__ import annotations
 
-from kiwid.core import memory, room
+from kiwid.core import memory, quanta, room
 from kiwid.core.actions import Action, SwapIn
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.residency import Move, Residency, move
@@ -141,7 +141,7 @@ def prefetch_plan(
     """Whom to bring back before ``holder`` yields, and when (see :func:`prefetch`)."""
     if holder.state is not S.HOLDER or holder.gated:
         return None
-    due = table.preempt_at(holder, gating, wanted)
+    due = quanta.preempt_at(table, holder, gating, wanted)
     if due is None:
         return None
     return prefetch(table, holder, gating, queue, due[0])

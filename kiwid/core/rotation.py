@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiwid.core import parking, prefetch, room, timers
+from kiwid.core import parking, prefetch, quanta, room, timers
 from kiwid.core.actions import Action
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.residency import Move, Residency, move
@@ -140,7 +140,7 @@ def release_quiet(
     could show none and would wait for a request that may never come.
     """
     for t in among:
-        if t.state in _RUNNING and not t.gated and now >= table.idle_at(t):
+        if t.state in _RUNNING and not t.gated and now >= quanta.idle_at(table, t):
             quiet = t.turn.silent() and t.turn.idle_since_woken()
             if t.state is S.HOLDER and quiet and _parks(table, t):
                 parking.park_unused(table, t, now, actions)
@@ -220,7 +220,7 @@ def preempt_due(p: Pass, wanted: dict[GpuId, tuple[float, int]]) -> None:
     table, gating, now = p.table, p.gating, p.now
     queue: list[TenantRecord] | None = None
     for t in [t for t in p.among if t.state is S.HOLDER]:
-        due = table.preempt_at(t, gating, wanted)
+        due = quanta.preempt_at(table, t, gating, wanted)
         if due is None or now < due[0]:
             continue
         if p.swapping and due[1] == "quantum":
@@ -288,7 +288,7 @@ def _preempt(
             default=None,
         )
     if reason == "priority" and t.turn.granted_at is not None:
-        rest = table.quantum(t, t.gpus & gating) - (now - t.turn.granted_at)
+        rest = quanta.quantum(table, t, t.gpus & gating) - (now - t.turn.granted_at)
         table.set_state(t, Trigger.PREEMPTED_PRIORITY, now)
         t.turn.granted_at = None
         t.seq = table.front_seq()

@@ -5,7 +5,7 @@ Everything here reads the tables and copies what it shows; nothing decides.
 
 from __future__ import annotations
 
-from kiwid.core import memory, parking, prefetch, room
+from kiwid.core import memory, parking, prefetch, quanta, room
 from kiwid.core.model import GpuId, TenantId, TenantState
 from kiwid.core.residency import Residency
 from kiwid.core.table import TenantTable
@@ -32,7 +32,7 @@ def view(table: TenantTable, now: float) -> SchedulerView:
         on_gpu = table.members(gpu)
         holder = next((t for t in on_gpu if t.state is S.HOLDER and gpu in gating), None)
         waiters = [t for t in queue if gpu in t.gpus and t.state is S.WAITING]
-        quanta = [table.quantum(t, t.gpus & gating) for t in waiters]
+        turns = [quanta.quantum(table, t, t.gpus & gating) for t in waiters]
         gpus.append(
             GpuView(
                 gpu=gpu,
@@ -40,14 +40,16 @@ def view(table: TenantTable, now: float) -> SchedulerView:
                 gating=gpu in gating,
                 holder=holder.id if holder else None,
                 holder_since=holder.turn.granted_at if holder else None,
-                preempt_at=_due(table.preempt_at(holder, gating)) if holder else None,
-                holder_quantum_s=table.quantum(holder, holder.gpus & gating) if holder else None,
+                preempt_at=_due(quanta.preempt_at(table, holder, gating)) if holder else None,
+                holder_quantum_s=quanta.quantum(table, holder, holder.gpus & gating)
+                if holder
+                else None,
                 waiters=tuple(
                     WaiterView(
                         t.id,
                         t.state_since,
                         position,
-                        ahead_s=sum(quanta[: position - 1]),
+                        ahead_s=sum(turns[: position - 1]),
                         outranked=any(
                             o.cls.policy.priority > t.cls.policy.priority
                             for o in ([holder] if holder else []) + waiters[: position - 1]
@@ -87,7 +89,7 @@ def view(table: TenantTable, now: float) -> SchedulerView:
             swap_refusal=t.memory.unswappable or t.memory.swap_refusal,
             gate_failure=t.fault.cause.reason if t.loose and t.fault.cause else None,
             policy=t.cls.policy,
-            quantum_s=table.quantum(t, t.gpus & gating) if t.gpus & gating else None,
+            quantum_s=quanta.quantum(table, t, t.gpus & gating) if t.gpus & gating else None,
             boosted=t.cls.boosted,
             entitled_share=t.cls.entitled_rate,
             last_preemption=t.turn.last_preemption,
@@ -155,7 +157,7 @@ def _handover_waits_for(
     """Whom a holder past its quantum keeps the GPU for while their memory comes back."""
     if holder is None or holder.gated:
         return None
-    due = table.preempt_at(holder, gating)
+    due = quanta.preempt_at(table, holder, gating)
     if due is None or due[1] != "quantum" or due[0] > table.now:
         return None
     if prefetch.deferred_until(table, holder, gating, queue, due[0]) is None:

@@ -252,61 +252,6 @@ class TenantTable:
         """
         return tenant.memory.residency.moving and self.now >= tenant.memory.move_due
 
-    def quantum(self, holder: TenantRecord, gpus: Iterable[GpuId]) -> float:
-        """Its quantum on ``gpus``, in seconds.
-
-        The rest of one a higher class cut short, else its TQ (its own, or the
-        shortest of the GPUs') times its weight.
-        """
-        if holder.turn.remaining_s is not None:
-            return holder.turn.remaining_s
-        tq = holder.cls.policy.tq_s
-        if tq is None:
-            tq = min((self.policies[g].tq_s for g in gpus if g in self.policies), default=30.0)
-        return tq * holder.cls.policy.weight
-
-    def preempt_at(
-        self,
-        holder: TenantRecord,
-        gating: frozenset[GpuId],
-        wanted: dict[GpuId, tuple[float, int]] | None = None,
-    ) -> tuple[float, str] | None:
-        """When ``holder`` must yield, and why (``quantum`` or ``priority``).
-
-        At the end of its quantum if one who ranks as high waits for one of its
-        GPUs (a lower class waits while it bursts, unless ``max_wait`` boosted it);
-        ``preempt_after`` into its quantum if one of a higher priority waits.
-        ``wanted``: what waits per gated GPU (computed if not given).
-        """
-        if holder.turn.granted_at is None or holder.ungate_pending:
-            return None  # its quantum has not begun (its memory is coming back, its unlock)
-        if wanted is None:
-            wanted = self.wanted(gating, self.closure(set(holder.gpus)))
-        mine = [g for g in holder.gpus & gating if g in wanted]
-        due: tuple[float, str] | None = None
-        # A boosted holder's one quantum is over when anyone waits.
-        contested = [g for g in mine if holder.cls.boosted or wanted[g][0] >= holder.cls.rank]
-        if contested:
-            due = (holder.turn.granted_at + self.quantum(holder, contested), "quantum")
-        higher = [g for g in mine if wanted[g][1] > holder.cls.policy.priority]
-        if higher and not holder.cls.boosted:
-            after = holder.turn.granted_at + min(self.policies[g].preempt_after_s for g in higher)
-            if due is None or after < due[0]:
-                due = (after, "priority")
-        return due
-
-    def idle_at(self, tenant: TenantRecord) -> float:
-        """When a running holder or co-runner without further activity goes idle."""
-        if tenant.gated or tenant.ungate_pending:
-            return math.inf  # not let go yet, or its unlock is under way: it cannot run
-        began = tenant.turn.began
-        start = max(
-            (t for t in (began, tenant.turn.last_active) if t is not None), default=self.now
-        )
-        if tenant.turn.silent():
-            start -= tenant.turn.quiet_s  # silent in its earlier turns too
-        return start + self.policy_of(tenant).idle_release_s
-
     # ------------------------------------------------------------ changes
 
     def set_state(self, tenant: TenantRecord, trigger: Trigger, now: float) -> None:

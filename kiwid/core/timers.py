@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from kiwid.core import prefetch
+from kiwid.core import prefetch, quanta
 from kiwid.core.model import GpuId, SwapMode, TenantState
 from kiwid.core.table import NO_GPU, TenantTable
 from kiwid.core.tenant import TenantRecord
@@ -114,9 +114,9 @@ def update_deadlines(
             continue
         if state not in _RUNNING:
             continue
-        deadline = table.idle_at(t)
+        deadline = quanta.idle_at(table, t)
         if state is S.HOLDER:
-            due = table.preempt_at(t, gating, wanted)
+            due = quanta.preempt_at(table, t, gating, wanted)
             if due is not None:
                 at = due[0]
                 if swapping and due[1] == "quantum" and at <= now:

@@ -12,6 +12,7 @@ from typing import Any
 
 from kiwid.adapters.control import ControlError, DaemonUnreachable, request
 from kiwid.cli import explain, mending, top
+from kiwid.cli.lookup import find_or_say
 from kiwid.cli.status_text import format_number, format_status, format_tenants
 from kiwid.cli.workloads_text import format_workloads
 from kiwid.core.model import TenantPolicy
@@ -216,17 +217,8 @@ def _add_wake(sub: Any) -> None:
 
 def _wake(path: str, query: str) -> int:
     """``kiwictl wake TENANT``: find the tenant, ask kiwid to wake it, say what happened."""
-    try:
-        tenant = explain.find_tenant(request(path, "status"), query)
-    except explain.AmbiguousTenant as exc:
-        print(f"[ERROR] {exc}; say which (see kiwictl tenants)", file=sys.stderr)
-        return EXIT_INVALID
-    except explain.TenantNotFound:
-        print(
-            f"[ERROR] no tenant matches {query!r} (by id, container id, name, pod or PID); "
-            "see kiwictl tenants",
-            file=sys.stderr,
-        )
+    tenant = find_or_say(request(path, "status"), query)
+    if tenant is None:
         return EXIT_INVALID
     result = request(path, "wake", {"tenant": str(tenant["id"])})
     if result.get("woken"):
@@ -327,10 +319,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _set_policy(path: str, command: str, query: str, value: float) -> int:
     """``kiwictl set-weight|set-priority TENANT N``: find the tenant, then ask kiwid."""
-    try:
-        tenant = explain.find_tenant(request(path, "status"), query)
-    except (explain.TenantNotFound, explain.AmbiguousTenant) as exc:
-        print(f"[ERROR] {exc}; see kiwictl tenants", file=sys.stderr)
+    tenant = find_or_say(request(path, "status"), query)
+    if tenant is None:
         return EXIT_INVALID
     field = command.removeprefix("set-")
     result = request(path, command, {"tenant": str(tenant["id"]), field: value})

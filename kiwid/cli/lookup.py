@@ -6,10 +6,11 @@ container id (or a prefix of 4+ characters), a name, a pod (``ns/pod``) or a PID
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["AmbiguousTenant", "TenantNotFound", "collect_tenants", "find_tenant"]
+__all__ = ["AmbiguousTenant", "TenantNotFound", "collect_tenants", "find_or_say", "find_tenant"]
 
 Json = dict[str, Any]
 _MIN_PREFIX = 4  # characters of a container id (or pod UID) that select it
@@ -109,3 +110,22 @@ def find_tenant(status: Mapping[str, Any], query: str) -> Json:
     if len(best) > 1:
         raise AmbiguousTenant(query, best)
     return best[0]
+
+
+def find_or_say(status: Mapping[str, Any], query: str) -> Json | None:
+    """The tenant ``query`` names, or ``None`` once an ``[ERROR]`` line said why not.
+
+    For the commands that act on one tenant (retry, release, wake, set-weight,
+    set-priority): they exit 1 on ``None``.
+    """
+    try:
+        return find_tenant(status, query)
+    except AmbiguousTenant as exc:
+        print(f"[ERROR] {exc}; say which (see kiwictl tenants)", file=sys.stderr)
+    except TenantNotFound:
+        print(
+            f"[ERROR] no tenant matches {query!r} (by id, container id, name, pod or PID); "
+            "see kiwictl tenants",
+            file=sys.stderr,
+        )
+    return None

@@ -15,7 +15,7 @@ from typing import Any
 
 from kiwid.adapters.control import request
 from kiwid.cli.fault_text import fault_clause
-from kiwid.cli.lookup import AmbiguousTenant, TenantNotFound, find_tenant
+from kiwid.cli.lookup import find_or_say
 
 __all__ = ["HELP", "run"]
 
@@ -57,17 +57,8 @@ def run(socket: str | Path, command: str, query: str) -> int:
         ControlError: kiwid refused the request (e.g. the tenant is not stuck).
     """
     status = request(socket, "status")
-    try:
-        tenant = find_tenant(status, query)
-    except AmbiguousTenant as exc:
-        print(f"[ERROR] {exc}; say which (see kiwictl tenants)", file=sys.stderr)
-        return EXIT_INVALID
-    except TenantNotFound:
-        print(
-            f"[ERROR] no tenant matches {query!r} (by id, container id, name, pod or PID); "
-            "see kiwictl tenants",
-            file=sys.stderr,
-        )
+    tenant = find_or_say(status, query)
+    if tenant is None:
         return EXIT_INVALID
     bound = 2 * float(status.get("driver_timeout_s") or 10.0) + ANSWER_MARGIN_S
     result = request(socket, command, {"tenant": str(tenant["id"])}, timeout_s=bound)

@@ -300,11 +300,7 @@ def test_invariants_hold_with_parking_over_random_event_sequences(
         run.step(ActivitySeen(tenant))
     for step in script:
         run.step(step)
-    for _ in range(500):
-        if not any(run.jobs.values()):
-            break
-        run.step(Answer(0, ok=True))
-        run.pass_time(1.0)
+    run.settle()
     # A quiet fleet settles when its GPUs park: nobody is restored for a turn it does
     # not use. With memory.park = "off", idle tenants larger than the card take turns
     # for ever; that is the behaviour "off" keeps, so it is not asserted there.

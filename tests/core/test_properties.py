@@ -199,6 +199,14 @@ class Run:
                 while any(self.jobs.values()):
                     todo += self.answer(next(t for t, j in self.jobs.items() if j), ok=True)
 
+    def settle(self, rounds: int = 500) -> None:
+        """The world answers everything still asked of it, a second apart, until it stops."""
+        for _ in range(rounds):
+            if not any(self.jobs.values()):
+                return
+            self.step(Answer(0, ok=True))
+            self.pass_time(1.0)
+
     def pass_time(self, seconds: float) -> None:
         """Advance, waking at every deadline on the way (as the daemon does)."""
         for step in clock_steps(lambda: self.now, self.sched.next_deadline, seconds):
@@ -441,12 +449,7 @@ def test_invariants_hold_over_random_event_sequences(
     run = Run(Scheduler(initial))
     for step in [*opening, *script]:
         run.step(step)
-    # The world answers everything still asked of it; it all settles.
-    for _ in range(500):
-        if not any(run.jobs.values()):
-            break
-        run.step(Answer(0, ok=True))
-        run.pass_time(1.0)
+    run.settle()  # the world answers everything still asked of it; it all settles
     assert not any(run.jobs.values()), f"jobs keep coming: {run.jobs}"
 
 

@@ -353,11 +353,13 @@ class Run:
                 assert not (isinstance(action, SwapIn) and t.state is S.PARKED), action
         assert self.gated == {t.tenant for t in view.tenants if t.gated}, (event, actions)
         # Per gating GPU, one tenant at most runs or will once its unlock returns (an
-        # unlock not followed by a gate): a tenant whose unlock is slow shows no work,
-        # and must not be taken for an idle one that lets the next run beside it.
+        # unlock of the tenant's epoch now, not followed by a gate): a tenant whose
+        # unlock is slow shows no work, and must not be taken for an idle one that lets
+        # the next run beside it. An unlock of an epoch the tenant has left is moot: it
+        # is dropped, never carried out (``answer``; the engine's lanes do the same).
         unlocking = set()
         for tenant, jobs in self.jobs.items():
-            kinds = [type(j) for j in jobs]
+            kinds = [type(j) for j in jobs if j.epoch == self.sched.epoch(tenant)]
             if Ungate in kinds and Gate not in kinds[kinds.index(Ungate) :]:
                 unlocking.add(tenant)
         for gpu in gating:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kiwid.adapters import nvml
-from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState, probe
+from kiwid.adapters.cudalock import CudaLock, CudaLockBusy, CudaLockError, ProcessState, probe
 from kiwid.adapters.gpu import GpuLost, GpuProcess
 from tests.helpers import wait_for
 from tests.stand_ins import NVML_MACHINE, cudadir
@@ -181,16 +181,49 @@ def test_a_swap_takes_memory_over_rate_and_others_wait_for_it(
     started = time.monotonic()
     cuda.restore(a.pid)
     assert time.monotonic() - started >= 0.125
-    # A checkpoint in another process: meanwhile it reads LOCKED with its memory on
-    # the card, and an unlock here waits for the checkpoint, then finds it CHECKPOINTED.
+    # A checkpoint in another process: meanwhile its memory stays on the card, and
+    # every call here waits for the checkpoint, a state too (the driver serialises
+    # the calls on one process; an H200's GetState did so), then finds it CHECKPOINTED.
     double.configure(checkpoint_rate=GiB)  # 1 s
     child = _in_another_process(double, f"cuda.checkpoint({a.pid})")
     wait_for(lambda: double.processes()[a.pid].moving, 5, "the checkpoint to start")
-    assert cuda.state(a.pid) is LOCKED
     assert double.resident_bytes() == GiB
+    assert cuda.state(a.pid) is CHECKPOINTED
+    assert not double.processes()[a.pid].moving
+    assert child.wait(timeout=10) == 0
+    double.configure(checkpoint_rate=0)
+    cuda.restore(a.pid)
+    double.configure(checkpoint_rate=GiB)
+    child = _in_another_process(double, f"cuda.checkpoint({a.pid})")
+    wait_for(lambda: double.processes()[a.pid].moving, 5, "the checkpoint to start")
     assert code_of(cuda.unlock, a.pid) == "CUDA_ERROR_ILLEGAL_STATE"
     assert cuda.state(a.pid) is CHECKPOINTED
     assert child.wait(timeout=10) == 0
+
+
+def test_a_caller_that_must_not_wait_hears_of_a_call_in_flight_on_that_process(
+    double: DriverDouble, cuda: CudaLock
+) -> None:
+    # kiwid's follow runs beside its tenant's checkpoint: it must not queue behind it.
+    double.configure(checkpoint_rate=GiB // 2)  # 1 GiB: 2 s
+    a = double.spawn_tenant(GiB, processes=2)
+    first, second = a.pids()
+    cuda.lock(first, 100)
+    moving = threading.Thread(target=cuda.checkpoint, args=(first,))
+    moving.start()
+    try:
+        wait_for(lambda: double.processes()[first].moving, 5, "the checkpoint to start")
+        with pytest.raises(CudaLockBusy):
+            cuda.state(first, wait=False)
+        with pytest.raises(CudaLockBusy):
+            cuda.lock(first, 100, wait=False)
+        assert cuda.state(second, wait=False) is RUNNING  # another process: no wait
+        assert double.processes()[first].moving  # nothing above waited for it
+    finally:
+        moving.join(10)
+    assert cuda.state(first, wait=False) is CHECKPOINTED
+    cuda.restore(first)
+    cuda.unlock(first)
 
 
 def _in_another_process(double: DriverDouble, statement: str) -> subprocess.Popen[bytes]:

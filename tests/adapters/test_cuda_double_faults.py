@@ -115,12 +115,14 @@ def test_a_stuck_checkpoint_takes_the_memory_off_the_card(
 
 
 def test_a_hang_blocks_until_cleared_then_does_its_work(
-    double: DriverDouble, cuda: CudaLock
+    double: DriverDouble, cuda: CudaLock, cuda_library: Path
 ) -> None:
     pid = double.spawn_tenant(GiB).pid
     cuda.lock(pid, 100)
     double.fault(pid, "checkpoint", "hang")
-    call = Call(cuda.checkpoint, pid)
+    # From another CudaLock, as from another process: one CudaLock makes one call
+    # per process at a time, and this is the double's own semantics.
+    call = Call(CudaLock(str(cuda_library)).checkpoint, pid)
     call.start()
     # The call took the fault (its count is spent): it is blocked in the driver.
     wait_for(lambda: double.faults() == {f"{pid}.checkpoint": "hang 0 0"}, 5, "the hang")
@@ -158,12 +160,15 @@ def test_a_lock_gives_up_at_its_timeout(double: DriverDouble, cuda: CudaLock) ->
     cuda.lock(pid, 50)
 
 
-def test_concurrent_hangs_all_end_when_cleared(double: DriverDouble, cuda: CudaLock) -> None:
+def test_concurrent_hangs_all_end_when_cleared(
+    double: DriverDouble, cuda: CudaLock, cuda_library: Path
+) -> None:
     tenant = double.spawn_tenant(GiB, processes=2)
     a, b = tenant.pids()
     for pid in (a, b):
         double.fault(pid, "lock", "hang", times=3)
-    calls = [Call(cuda.lock, pid, 0) for pid in (a, a, b)]
+    # Each from a CudaLock of its own, as from processes of their own.
+    calls = [Call(CudaLock(str(cuda_library)).lock, pid, 0) for pid in (a, a, b)]
     for call in calls:
         call.start()
     wait_for(

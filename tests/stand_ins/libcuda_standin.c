@@ -57,9 +57,10 @@
  * only a CHECKPOINTED one (it comes back LOCKED) and only if its memory fits
  * beside the resident processes and the foreign memory; anything else is
  * CUDA_ERROR_ILLEGAL_STATE. A checkpoint or restore takes memory/rate seconds;
- * meanwhile the process reads LOCKED (checkpoint) or CHECKPOINTED (restore), its
- * memory stays (or is already) reserved on the card, and other calls on it wait
- * for it to end, as the driver serialises the operations on one process. The
+ * meanwhile its memory stays (or is already) reserved on the card, and every
+ * other call on it waits for it to end, GetState too, as the driver serialises
+ * the calls on one process (an H200, driver 580.159.04: a GetState asked during a
+ * checkpoint of the same process returned when the checkpoint did). The
  * end is a time in the entry, so whoever reads it after that time sees the
  * operation done, even if the caller died (the driver finishes it in the target).
  */
@@ -455,17 +456,15 @@ static CUresult operate(int op, int pid, unsigned int timeout_ms, int *state_out
             unlock_dir(fd);
             return NOT_A_CUDA_PROCESS;
         }
-        if (op == OP_STATE) {
-            *state_out = p.moving == CHECKPOINTING ? LOCKED
-                         : p.moving == RESTORING   ? CHECKPOINTED
-                                                   : p.state;
-            unlock_dir(fd);
-            return CUDA_SUCCESS;
-        }
         if (p.moving == STILL)
             break;
         unlock_dir(fd); /* another operation on it is in flight: wait for its end */
         sleep_until(p.until);
+    }
+    if (op == OP_STATE) {
+        *state_out = p.state;
+        unlock_dir(fd);
+        return CUDA_SUCCESS;
     }
     config_t c = read_config();
     CUresult r = CUDA_SUCCESS;

@@ -26,17 +26,28 @@ Checkpoint copies a LOCKED process's whole device memory to host RAM and frees
 the GPU (the process then vanishes from NVML's process list); restore brings it
 back, leaving the process LOCKED. Both are optional: a driver with the lock but
 without them can gate but not swap (:attr:`CudaLock.can_swap`).
+
+**One call per process at a time.** The driver serialises the calls on one
+process: on an H200 (driver 580.159.04) a ``GetState`` asked while a checkpoint
+of the same process ran waited for that checkpoint, tens of seconds for tens of
+GiB. So a :class:`CudaLock` makes at most one call per process at a time, and a
+caller that must not wait (kiwid's follow, which runs beside its tenant's
+checkpoint) asks with ``wait=False``: if a call on that process is in flight, it
+gets :class:`CudaLockBusy` at once instead of a place in the driver's queue.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = [
     "CudaLock",
+    "CudaLockBusy",
     "CudaLockError",
     "CudaLockSupport",
     "CudaLockUnavailable",
@@ -88,6 +99,14 @@ class CudaLockError(Exception):
         super().__init__(f"{name} ({code}){': ' + detail if detail else ''}")
         self.code = code
         self.name = name
+
+
+class CudaLockBusy(CudaLockError):
+    """A call on this process is in flight, and the caller asked not to wait for it."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(-2, "KIWI_CALL_IN_FLIGHT", f"a call on pid {pid} is in flight")
+        self.pid = pid
 
 
 class CudaLockUnavailable(CudaLockError):
@@ -177,6 +196,9 @@ class CudaLock:
         self._initialised = False
         self.can_swap = all(hasattr(self._lib, symbol) for symbol in _SWAP_SYMBOLS)
         """Whether the driver can also checkpoint and restore (swap memory out)."""
+        self._in_flight: set[int] = set()
+        """The processes a call of this object is on now (one at a time each)."""
+        self._turns = threading.Condition()
 
     def init(self) -> None:
         """Call ``cuInit(0)`` unless done already; the other methods do it themselves.
@@ -189,30 +211,49 @@ class CudaLock:
                 self._check("cuInit", self._lib.cuInit(0))
                 self._initialised = True
 
-    def _call(self, function: str, *args: object) -> None:
+    def _call(self, function: str, pid: int, *args: object, wait: bool = True) -> None:
         self.init()
-        self._check(function, getattr(self._lib, function)(*args))
+        with self._one_call(pid, wait):
+            self._check(function, getattr(self._lib, function)(ctypes.c_int(pid), *args))
+
+    @contextlib.contextmanager
+    def _one_call(self, pid: int, wait: bool) -> Iterator[None]:
+        """Hold ``pid``'s one place for a call; wait for it, or raise CudaLockBusy."""
+        with self._turns:
+            while pid in self._in_flight:
+                if not wait:
+                    raise CudaLockBusy(pid)
+                self._turns.wait()
+            self._in_flight.add(pid)
+        try:
+            yield
+        finally:
+            with self._turns:
+                self._in_flight.discard(pid)
+                self._turns.notify_all()
 
     def _check(self, function: str, code: int) -> None:
         if code != 0:
             raise CudaLockError(code, _error_name(self._lib, code), function)
 
-    def lock(self, pid: int, timeout_ms: int) -> None:
+    def lock(self, pid: int, timeout_ms: int, *, wait: bool = True) -> None:
         """Block the CUDA calls of ``pid`` once its in-flight work has finished.
 
         Args:
             pid: The CUDA process to lock.
             timeout_ms: How long the driver may try, in milliseconds; 0 waits forever.
+            wait: Whether to wait for a call on ``pid`` in flight (else CudaLockBusy).
 
         Raises:
             ValueError: ``timeout_ms`` is negative.
+            CudaLockBusy: ``wait`` is false and a call on ``pid`` is in flight.
             CudaLockError: The driver refused, e.g. ``CUDA_ERROR_ILLEGAL_STATE`` when
                 the process is not RUNNING, or a timeout.
         """
         if timeout_ms < 0:
             raise ValueError(f"timeout_ms must be >= 0, not {timeout_ms}")
         args = _LockArgs(timeoutMs=timeout_ms)
-        self._call("cuCheckpointProcessLock", ctypes.c_int(pid), ctypes.byref(args))
+        self._call("cuCheckpointProcessLock", pid, ctypes.byref(args), wait=wait)
 
     def unlock(self, pid: int) -> None:
         """Let the CUDA calls of ``pid`` go on.
@@ -224,7 +265,7 @@ class CudaLock:
             CudaLockError: The driver refused (e.g. the process is not LOCKED).
         """
         args = _UnlockArgs()
-        self._call("cuCheckpointProcessUnlock", ctypes.c_int(pid), ctypes.byref(args))
+        self._call("cuCheckpointProcessUnlock", pid, ctypes.byref(args))
 
     def checkpoint(self, pid: int) -> None:
         """Copy the device memory of a LOCKED ``pid`` to host RAM and free the GPU.
@@ -247,22 +288,24 @@ class CudaLock:
         if not self.can_swap:
             raise CudaLockUnavailable(f"this driver lacks {function}")
         args = _CheckpointArgs()
-        self._call(function, ctypes.c_int(pid), ctypes.byref(args))
+        self._call(function, pid, ctypes.byref(args))
 
-    def state(self, pid: int) -> ProcessState:
+    def state(self, pid: int, *, wait: bool = True) -> ProcessState:
         """Return the checkpoint state of ``pid``.
 
         Args:
             pid: A CUDA process.
+            wait: Whether to wait for a call on ``pid`` in flight (else CudaLockBusy).
 
         Returns:
             Its state.
 
         Raises:
+            CudaLockBusy: ``wait`` is false and a call on ``pid`` is in flight.
             CudaLockError: The driver refused (e.g. ``pid`` is no CUDA process).
         """
         value = ctypes.c_int(-1)
-        self._call("cuCheckpointProcessGetState", ctypes.c_int(pid), ctypes.byref(value))
+        self._call("cuCheckpointProcessGetState", pid, ctypes.byref(value), wait=wait)
         try:
             return ProcessState(value.value)
         except ValueError as exc:

@@ -178,6 +178,32 @@ def test_a_waiting_tenants_new_process_is_locked_during_its_own_checkpoint(
         card.double.clear(first, "checkpoint")
 
 
+def test_a_waiting_tenants_new_process_is_locked_while_its_checkpoint_moves(
+    start_kiwid, workdir: Path, card: Card, sampled: Sampler
+) -> None:
+    # The driver serialises the calls on one process: a state asked while that
+    # process is being checkpointed waits for the checkpoint (seen on an H200). The
+    # follow asked the state of b's process under checkpoint first, and waited
+    # there: b's new process ran beside the holder until the checkpoint ended. (On
+    # the H200 the follow then ran past its deadline, and its fence froze the
+    # process mid-checkpoint.)
+    card.double.configure(checkpoint_rate=TENANT // 12)  # b's half GiB: 6 s, due at 9
+    k = a_holds(start_kiwid, workdir, card, sampled, tq=30, timeout=8)
+    b = card.arrive("b", TENANT // 2, spawn_later=3)
+    sampled.tenants["b"] = b
+    (first,) = b.pids()
+    since = sampled.mark()
+    k.until(lambda: len(b.pids()) == 2, 10, "b's new process")
+    moving = card.double.processes()[first].moving
+    assert moving == cudadir.CHECKPOINTING, "b's checkpoint was to be under way by now"
+    (newcomer,) = set(b.pids()) - {first}
+    k.until(lambda: card.double.state(newcomer) != cudadir.RUNNING, 5, "it locked")
+    k.until(lambda: card.double.state(first) == cudadir.CHECKPOINTED, 15, "the checkpoint's end")
+    assert holder(k) == card.key(sampled.tenants["a"])
+    assert k.tenant(card.key(b))["state"] == "waiting", k.tenant(card.key(b))
+    assert not sampled.beside(since, "a"), sampled.beside(since, "a")[:5]
+
+
 def test_a_hung_checkpoint_does_not_idle_the_gpu(
     start_kiwid, workdir: Path, card: Card, sampled: Sampler
 ) -> None:

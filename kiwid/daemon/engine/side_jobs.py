@@ -10,11 +10,15 @@ lock. It runs beside the tenant's lane, not behind it: a new process must not ru
 beside the holder for the 30 seconds of its tenant's checkpoint, and locking one
 process does not touch the checkpoint of another. (Fencing the whole tenant with
 the freezer while it waits would stall that very checkpoint: the driver
-checkpoints only a process that is not frozen.) A follow never runs beside, nor
-after, a job that may let the tenant go (:mod:`.executor`, rule 2). Where the
-tenant's memory is in host RAM, processes of it on the card (locked now) hold
-room that the others count on: the follow says so (``MemorySplit``), and the
-core asks a converge to move them there too.
+checkpoints only a process that is not frozen.) Nor does it wait behind a lane
+job's call in the driver: the driver serialises the calls on one process (a state
+asked during a checkpoint of that process waits for it, on an H200), so the
+follow skips a process that a call of kiwid's is on now (``wait=False``); that
+call decides where the process ends up, and the next poll looks again. A follow
+never runs beside, nor after, a job that may let the tenant go (:mod:`.executor`,
+rule 2). Where the tenant's memory is in host RAM, processes of it on the card
+(locked now) hold room that the others count on: the follow says so
+(``MemorySplit``), and the core asks a converge to move them there too.
 
 **The fence.** A driver call that hangs may leave the tenant running (a lock that
 never took, an unlock half-way). The fence freezes its cgroup: the freezer never
@@ -50,14 +54,14 @@ def follow(tools: Tools, job: Job) -> list[Event]:
     on_card: list[int] = []
     try:
         for pid, start in sorted(job.pids.items()):
-            state = gate.state_of(pid)
+            state = gate.state_of(pid, wait=False)  # never behind a lane job's call
             if state is ProcessState.LOCKED:
                 on_card.append(pid)
             if state is not ProcessState.RUNNING:
-                continue  # no context yet (it stays to lock), locked, or in host RAM
+                continue  # no context yet (it stays to lock), locked, in host RAM, or busy
             if not _named(tools, tenant, pid, start):
                 return []  # its record went meanwhile: kiwid let it go
-            if gate.lock_one(pid):
+            if gate.lock_one(pid, wait=False):
                 locked.append(pid)
     except (GateError, OSError) as err:
         reason = f"its process could not be locked: {err}"

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from kiwid.adapters import procs
 from kiwid.adapters.cgroups import CgroupLayout, FreezeError, cgroup_ids
-from kiwid.adapters.cudalock import CudaLock, CudaLockError, ProcessState
+from kiwid.adapters.cudalock import CudaLock, CudaLockBusy, CudaLockError, ProcessState
 from kiwid.daemon.gating.gates import FreezeGate, GateError, Guard, always, make_record
 from kiwid.daemon.gating.record import GatedRecord
 from kiwid.daemon.tenants.tracker import TenantInfo
@@ -86,27 +86,38 @@ class CudaLockGate:
             held.add(pid)
         return frozenset(held)
 
-    def state_of(self, pid: int) -> ProcessState | None:
+    def state_of(self, pid: int, *, wait: bool = True) -> ProcessState | None:
         """The driver's state of ``pid`` (``None``: it has no CUDA context, or is gone).
+
+        ``wait=False``: also ``None`` while another call of kiwid's on ``pid`` is in
+        flight (a lock, a checkpoint, a restore), rather than wait for it in the
+        driver's queue; that call decides where the process ends up.
 
         Raises:
             GateError: the driver could not say.
         """
         try:
-            return self._lock.state(pid)
+            return self._lock.state(pid, wait=wait)
+        except CudaLockBusy:
+            return None
         except CudaLockError as err:
             if err.name == "CUDA_ERROR_NOT_INITIALIZED" or not procs.alive(pid):
                 return None
             raise GateError(f"cannot read pid {pid}'s state: {err}", pid, _answer(err)) from err
 
-    def lock_one(self, pid: int) -> bool:
-        """Lock one running process; whether it is locked (``False``: no context any more).
+    def lock_one(self, pid: int, *, wait: bool = True) -> bool:
+        """Lock one running process; whether it is locked.
+
+        ``False``: it has no context any more, or, with ``wait=False``, another call
+        of kiwid's on it is in flight.
 
         Raises:
             GateError: the driver refused.
         """
         try:
-            self._lock.lock(pid, self._timeout_ms)
+            self._lock.lock(pid, self._timeout_ms, wait=wait)
+        except CudaLockBusy:
+            return False
         except CudaLockError as err:
             if err.name == "CUDA_ERROR_NOT_INITIALIZED" and procs.alive(pid):
                 return False

@@ -191,6 +191,23 @@ class Engine:
         )
         self._kick()
 
+    def _followable(self, job: Job) -> dict[int, int]:
+        """The processes a follow starting now may ask the driver about.
+
+        The driver serialises the calls on one process, and a call waits there as
+        long as the operation before it lasts: on an H200 a state asked while the
+        process was being checkpointed returned with the checkpoint, tens of seconds
+        later. While the tenant's lane has a job, that job works on the processes its
+        record names (it locks, checkpoints or restores them): the follow leaves them
+        to it and looks at the others, the processes kiwid does not hold (new ones,
+        and those with no CUDA context yet). With the lane empty it looks at all.
+        """
+        if not self.executor.lane_busy(job.tenant):
+            return job.pids
+        record = self.effects.state.records.get(job.tenant)
+        held = set(record.pids) if record is not None else set()
+        return {pid: start for pid, start in job.pids.items() if pid not in held}
+
     def _moot(self, job: Job) -> bool:
         """Whether ``job`` was asked in an epoch its tenant has left (rule 5)."""
         return job.kind not in TIMELESS and job.epoch != self.scheduler.epoch(job.tenant)
@@ -203,6 +220,8 @@ class Engine:
                 job.want = self.scheduler.want(job.tenant)
                 job.info = self.tracker.tenants.get(job.tenant) or job.info
                 job.epoch = job.want.epoch if job.want is not None else job.epoch
+            if job.kind is Kind.FOLLOW:
+                job.pids = self._followable(job)
             now = self._clock()
             nbytes = job.nbytes or sum(self.scheduler.peak(job.tenant).values())
             self.executor.start(job, now, now + self.deadline_s(job, nbytes))

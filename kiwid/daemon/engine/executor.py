@@ -207,6 +207,11 @@ class Executor:
         """Whether ``tenant`` has a job queued or running."""
         return any(j.tenant == tenant for j in itertools.chain(self._queued, self._running))
 
+    def lane_busy(self, tenant: str) -> bool:
+        """Whether ``tenant``'s lane has a job queued or running (a follow or fence aside)."""
+        jobs = itertools.chain(self._queued, self._running)
+        return any(j.tenant == tenant and j.kind not in SIDE for j in jobs)
+
     def pending(self, tenant: str, kind: Kind, *, started: bool = True) -> bool:
         """Whether a ``kind`` job of ``tenant`` is queued (or, with ``started``, running)."""
         jobs = itertools.chain(self._queued, self._running if started else ())

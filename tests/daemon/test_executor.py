@@ -94,6 +94,29 @@ def test_a_follow_runs_beside_its_tenants_checkpoint_and_a_fence_beside_anything
     ]
 
 
+def test_a_follow_is_not_overdue_before_the_lane_job_beside_it() -> None:
+    # On an H200 a follow's state query waited in the driver for the checkpoint of
+    # its process; past its own deadline it made the tenant stuck and fenced it,
+    # and the freezer stalled the checkpoint it was waiting for.
+    ex = Executor()
+    follow = ex.job(Kind.FOLLOW, "a", GPU0, pids={7: 0})
+    ex.job(Kind.FOLLOW, "b", GPU0, pids={8: 0})
+    for job in ex.startable():
+        ex.start(job, 0.0, 22.0)
+    swap = ex.job(SwapOut("a"), "a", GPU0)
+    assert ex.startable() == [swap]
+    ex.start(swap, 3.0, 120.0)  # a's checkpoint starts beside its follow
+    assert [(j.tenant, j.kind) for j, _ in ex.overdue(60.0)] == [("b", Kind.FOLLOW)]
+    assert {j for j, _ in ex.overdue(121.0)} == {swap, follow}
+    # and a follow that starts beside a lane job gets its deadline
+    ex = Executor()
+    swap = ex.job(SwapOut("a"), "a", GPU0)
+    follow = ex.job(Kind.FOLLOW, "a", GPU0, pids={7: 0})
+    for job in ex.startable():
+        ex.start(job, 0.0, 22.0 if job is follow else 120.0)
+    assert ex.next_due() == 120.0
+
+
 def test_a_follow_never_runs_beside_or_after_a_job_that_may_let_its_tenant_go() -> None:
     for kind in (Kind.UNGATE, Kind.CONVERGE, Kind.RELEASE):
         ex = Executor()

@@ -26,6 +26,11 @@ with :meth:`Executor.finish`. The rules:
    GPU's lane (a hung call moves no bytes).
 5. A job the scheduler asked for in an epoch the tenant has left since is moot
    (``moot``): it is dropped when its turn comes, never carried out.
+6. A follow is not overdue before the lane job beside it: the driver serialises
+   the calls on one process, and a follow's call may wait there behind the lane
+   job's (a state asked during a checkpoint of its process returned with the
+   checkpoint on an H200). Overdue, it would make its tenant stuck and fence it,
+   and the freezer stalls the very checkpoint it waits for.
 """
 
 from __future__ import annotations
@@ -278,7 +283,23 @@ class Executor:
         return started
 
     def start(self, job: Job, now: float, due: float) -> None:
-        """``job``, handed out by :meth:`startable`, runs from ``now``; overdue at ``due``."""
+        """``job``, handed out by :meth:`startable`, runs from ``now``; overdue at ``due``.
+
+        A follow is not overdue before the lane job of its tenant that runs beside it
+        (rule 6): the driver serialises the calls on one process, and the follow's may
+        wait there behind that job's (a checkpoint of tens of seconds on an H200).
+        """
+        beside = [
+            (j, r)
+            for j, r in self._running.items()
+            if j.tenant == job.tenant and j is not job and not r.overdue
+        ]
+        if job.kind is Kind.FOLLOW:
+            due = max([due, *(r.due for j, r in beside if j.kind not in SIDE)])
+        elif job.kind not in SIDE:
+            for j, r in beside:
+                if j.kind is Kind.FOLLOW:
+                    r.due = max(r.due, due)
         self._running[job] = Run(now, due)
 
     def finish(self, job: Job) -> Run | None:

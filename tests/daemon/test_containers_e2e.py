@@ -389,7 +389,9 @@ def test_hold_a_newcomer_on_a_busy_gpu_starts_frozen_without_blocking_the_runtim
             msg = "`runc run` hung while the held container waited for its turn:\n"
             pytest.fail(msg + kiwid.log_text())
         assert rc == 0, log.read_text()
-        assert kiwid.tenant_states()[key] == "waiting"
+        # Queued once its program has replaced runc's init (kiwid watches for the
+        # exec), which may come a moment after `runc run -d` returned.
+        wait_for(lambda: kiwid.tenant_states().get(key) == "waiting", 5, "the newcomer queued")
         wait_for(lambda: frozen(cgroup), 5, "the newcomer to be frozen")
 
         busy.proc.kill()  # the holder goes: the newcomer's turn

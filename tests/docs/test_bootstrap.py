@@ -66,3 +66,51 @@ def test_without_ensurepip_it_asks_for_python3_venv_alone_without_recommends(
         "bootstrap: please install as root: apt-get install --no-install-recommends python3-venv\n"
     )
     assert not (checkout / ".venv").exists()
+
+
+def test_with_dev_it_asks_for_git_where_it_is_missing(checkout: Path) -> None:
+    # The suite calls git (the pure-cgroup2 host copies the checkout with
+    # `git ls-files`; the fault matrix's sample reads the commits on HEAD), so a
+    # clean machine gets it from bootstrap --dev like every other test tool. A PATH
+    # with every tool bootstrap looks for but git makes a machine without it.
+    tools = checkout / "tools"
+    tools.mkdir()
+    for name in (
+        "python3",
+        "dirname",
+        "id",
+        "tmux",
+        "runc",
+        "podman",
+        "busybox",
+        "cc",
+        "promtool",
+        "prometheus",
+    ):
+        found = shutil.which(name, path="/usr/local/bin:/usr/bin:/bin")
+        if found is None:
+            pytest.skip(f"{name} is missing here: bootstrap --dev installs it first")
+        (tools / name).symlink_to(found)
+    tools.chmod(0o755)
+    as_user = (
+        []
+        if os.geteuid()
+        else [
+            shutil.which("setpriv") or "/usr/bin/setpriv",
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+        ]
+    )
+
+    done = subprocess.run(
+        [*as_user, "/bin/bash", str(checkout / "scripts" / "bootstrap"), "--dev"],
+        env={"PATH": str(tools)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == "bootstrap: please install as root: apt-get install git\n"
